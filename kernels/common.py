@@ -1,0 +1,66 @@
+"""Device helpers shared by the Mamba-2 and GDN decode kernels.
+
+What lives here is the same in every layer type: the softplus of the engines, a warp sum, and
+the TMA streaming of a checkpoint tile into shared memory (one mbarrier per stage, every stage
+issued up front so a CTA keeps its whole tile in flight).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+
+
+@cute.jit
+def softplus(x: Float32) -> Float32:
+    """softplus(x) = x for x > 20 (engines' threshold), else log(1 + exp(x))."""
+    out = x
+    if x <= Float32(20.0):
+        out = cute.math.log(Float32(1.0) + cute.math.exp(x, fastmath=False), fastmath=False)
+    return out
+
+
+@cute.jit
+def warp_sum(val: Float32) -> Float32:
+    """Butterfly sum over the 32 lanes of a warp; every lane gets the total."""
+    for i in cutlass.range_constexpr(5):
+        val = val + cute.arch.shuffle_sync_bfly(val, offset=1 << (4 - i))
+    return val
+
+
+def make_row_tma(m_rows: cute.Tensor, box_rows: int, box_cols: int):
+    """TMA atom loading (box_rows, box_cols) boxes of a row-major 2-D gmem view.
+
+    Returns the atom and the TMA coordinate tensor tiled by boxes:
+    ``(box_rows, box_cols, num_box_rows, num_box_cols)``.
+    """
+    smem_layout = cute.make_layout((box_rows, box_cols), stride=(box_cols, 1))
+    atom, m_tma = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), m_rows, smem_layout, (box_rows, box_cols)
+    )
+    return atom, m_tma
+
+
+@cute.jit
+def issue_tile_loads(
+    tma_atom: cute.CopyAtom,
+    m_tma: cute.Tensor,
+    s_tile: cute.Tensor,
+    mbar: cute.Pointer,
+    first_box: Int32,
+    stages: cutlass.Constexpr[int],
+    stage_bytes: cutlass.Constexpr[int],
+):
+    """Warp 0 issues `stages` TMA loads of consecutive row boxes, one mbarrier each.
+
+    ``s_tile`` is ``(box_rows, box_cols, stages)``; box ``first_box + s`` lands in stage ``s``.
+    """
+    g_boxes = cute.local_tile(m_tma, cute.select(s_tile.shape, mode=[0, 1]), (None, 0))
+    t_s, t_g = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1),
+        cute.group_modes(s_tile, 0, 2), cute.group_modes(g_boxes, 0, 2),
+    )
+    for s in cutlass.range_constexpr(stages):
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes)
+        cute.copy(tma_atom, t_g[None, first_box + s], t_s[None, s], tma_bar_ptr=mbar + s)

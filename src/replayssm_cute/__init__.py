@@ -1,0 +1,16 @@
+from pathlib import Path as _Path
+
+# Source checkout (PYTHONPATH=src): kernels/ sits at the repository root, not in this folder, so
+# let `replayssm_cute.kernels` resolve to ./kernels. An installed wheel ships it as a subpackage.
+if (
+    not (_Path(__file__).parent / "kernels").exists()
+    and (_Path(__file__).parents[2] / "kernels" / "__init__.py").exists()
+):
+    __path__.append(str(_Path(__file__).parents[2]))
+
+__version__ = "0.1.0"
+
+from .api import decode  # noqa: E402
+from .cache import Mamba2Cache  # noqa: E402
+
+__all__ = ["decode", "Mamba2Cache", "__version__"]

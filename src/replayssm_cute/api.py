@@ -1,0 +1,156 @@
+"""Public decode entry point: validation, then the CuTe DSL kernels (CUDA) or the reference (CPU).
+
+Argument conventions follow vLLM's ``selective_state_update``: ``x (b, H, P)``, ``dt`` raw
+``(b, H)`` or its stride-0 expansion ``(b, H, P)``, ``A (H,)`` or ``(H, P, N)`` with strides
+``(s, 0, 0)``, ``B, C (b, G, N)``, ``D`` / ``dt_bias`` ``(H,)`` or ``(H, P)`` with stride 0 on P,
+optional ``z (b, H, P)``, ``dt_softplus``, optional ``out``. Each row names its pool slot in
+``slot_ids (b,)`` int32; rows whose slot is the cache's pad sentinel, or outside the pool, touch
+nothing (their ``out`` rows are left as they were).
+
+Everything is checked before anything is written; nothing is cast behind the caller's back.
+Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates), which
+synchronises, so it is off by default and must stay off under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .cache import Mamba2Cache
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"decode: argument '{name}': expected {expected}, got {got}")
+
+
+def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, device) -> Optional[torch.Tensor]:
+    """Accept (H,) or a stride-0 expansion (H, *trailing); return the (H,) fp32 view."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype != torch.float32:
+        _fail(name, "dtype torch.float32", t.dtype)
+    if t.device != device:
+        _fail(name, f"a tensor on {device}", t.device)
+    if t.dim() > 1:
+        if tuple(t.shape) != (H,) + trailing or any(st != 0 for st in t.stride()[1:]):
+            _fail(name, f"shape ({H},) or a stride-0 expansion of shape {(H,) + trailing}",
+                  f"shape {tuple(t.shape)} strides {t.stride()}")
+        t = t[(slice(None),) + (0,) * len(trailing)]
+    if tuple(t.shape) != (H,):
+        _fail(name, f"shape ({H},)", tuple(t.shape))
+    return t
+
+
+def _activation(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if tuple(t.shape) != shape:
+        _fail(name, f"shape {shape}", tuple(t.shape))
+    if t.dtype != dtype:
+        _fail(name, f"dtype {dtype} (the cache's activation dtype; no implicit casts)", t.dtype)
+    if t.device != device:
+        _fail(name, f"a tensor on {device}", t.device)
+    # The kernels take any batch stride but need the inner dims packed.
+    inner = [1]
+    for d in reversed(shape[2:]):
+        inner.insert(0, inner[0] * d)
+    if shape[0] > 0 and tuple(t.stride()[1:]) != tuple(inner[-(len(shape) - 1):]) and t.numel() > 0:
+        _fail(name, f"inner dims contiguous (strides (*, {', '.join(map(str, inner[-(len(shape) - 1):]))}))",
+              f"strides {t.stride()}")
+    return t
+
+
+def _check_slots(cache, slot_ids: torch.Tensor) -> None:
+    """Debug mode: host-side slot checks (synchronises)."""
+    ids = slot_ids.tolist()
+    live = [s for s in ids if s != cache.pad_slot_id]
+    bad = [s for s in live if not 0 <= s < cache.num_slots or (cache.pad_slot_id == 0 and s == 0)]
+    if bad:
+        raise IndexError(f"decode: slot_ids {bad[:8]} outside the pool of {cache.num_slots} slots "
+                         f"(pad sentinel {cache.pad_slot_id})")
+    if len(set(live)) != len(live):
+        raise ValueError("decode: slot_ids name the same slot twice in one step")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("REPLAYSSM_CUTE_DEBUG", "0") not in ("", "0")
+
+
+def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+           out=None, *, config=None):
+    """One decode step for a batch of rows; returns ``out`` (b, H, P) in x's dtype.
+
+    ``cache`` is a :class:`Mamba2Cache`; window 1 is conventional decoding (state load, update,
+    store), window L > 1 is ReplaySSM standard decoding. ``config`` overrides the launch
+    configuration (a ``Mamba2Config``); by default the analytical choice for the batch size.
+    """
+    if not isinstance(cache, Mamba2Cache):
+        raise TypeError(f"decode: argument 'cache': expected a Mamba2Cache, got {type(cache).__name__}")
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    device = cache.checkpoint.device
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        _fail("x", "a (batch, nheads, headdim) tensor", getattr(x, "shape", type(x).__name__))
+    b = x.shape[0]
+    if x.dtype not in _ACT_DTYPES:
+        _fail("x", f"one of {_ACT_DTYPES}", x.dtype)
+    act = cache.dtype
+    x = _activation("x", x, (b, H, P), act, device)
+    if not isinstance(dt, torch.Tensor):
+        _fail("dt", "a torch.Tensor", type(dt).__name__)
+    if dt.dim() == 3:
+        if tuple(dt.shape) != (b, H, P) or dt.stride(2) != 0:
+            _fail("dt", f"shape ({b}, {H}) or a stride-0 expansion of shape {(b, H, P)}",
+                  f"shape {tuple(dt.shape)} strides {dt.stride()}")
+        dt = dt[:, :, 0]
+    if dt.dtype not in (act, torch.float32):
+        _fail("dt", f"dtype {act} or torch.float32", dt.dtype)
+    dt = _activation("dt", dt, (b, H), dt.dtype, device)
+    if A is None:
+        _fail("A", "a tensor", None)
+    A = _per_head("A", A, H, (P, N), device)
+    D = _per_head("D", D, H, (P,), device)
+    dt_bias = _per_head("dt_bias", dt_bias, H, (P,), device)
+    B = _activation("B", B, (b, G, N), act, device)
+    C = _activation("C", C, (b, G, N), act, device)
+    if z is not None:
+        z = _activation("z", z, (b, H, P), act, device)
+    if not isinstance(slot_ids, torch.Tensor) or slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        _fail("slot_ids", f"an int32 tensor of shape ({b},)",
+              f"{getattr(slot_ids, 'dtype', type(slot_ids).__name__)} {tuple(getattr(slot_ids, 'shape', ()))}")
+    if slot_ids.device != device or not slot_ids.is_contiguous():
+        _fail("slot_ids", f"a contiguous tensor on {device}", f"{slot_ids.device}, strides {slot_ids.stride()}")
+    if out is None:
+        out = torch.empty((b, H, P), dtype=act, device=device)
+    else:
+        out = _activation("out", out, (b, H, P), act, device)
+    if not isinstance(dt_softplus, bool):
+        _fail("dt_softplus", "a bool", type(dt_softplus).__name__)
+    if debug_enabled() and not torch.cuda.is_current_stream_capturing():
+        _check_slots(cache, slot_ids)
+    if b == 0:
+        return out
+
+    if device.type == "cpu":
+        from .reference import mamba2_decode_cache_
+
+        return mamba2_decode_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
+                                    dt_softplus=dt_softplus, out=out)
+    if device.type != "cuda":
+        _fail("cache", "a cache on a CUDA device or the CPU", device)
+
+    from .kernels_host import mamba2_decode_kernel
+
+    kernel = mamba2_decode_kernel(cache, dt.dtype, D is not None, z is not None, dt_bias is not None,
+                                  dt_softplus, b, config)
+    ring = (cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin, cache.arrivals)
+    if cache.window == 1:
+        ring = (None,) * 6
+    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, *ring)
+    return out

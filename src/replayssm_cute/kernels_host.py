@@ -1,0 +1,61 @@
+"""Host side of the kernels: torch -> CuTe dtypes, analytical launch configs, compiled-kernel lookup.
+
+Kept apart from api.py so that importing the package never imports cutlass; only the first CUDA
+call (or precompile) does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CUTE_DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
+_fast: dict = {}
+
+
+def cute_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return getattr(cutlass, _CUTE_DTYPE_NAMES[dtype])
+
+
+def default_mamba2_config(headdim: int, batch: int):
+    """Small tiles at small batch (more CTAs in flight per row), whole-ish heads at large batch."""
+    from .kernels.mamba2.decode import Mamba2Config
+
+    if batch <= 16:
+        rows = 16
+    else:
+        rows = max(r for r in range(8, 65, 8) if headdim % r == 0)
+    return Mamba2Config(rows_per_cta=rows, stage_rows=8, num_warps=4)
+
+
+def mamba2_shape(nheads, headdim, dstate, ngroups, window, capacity, act_dtype, dt_dtype,
+                 has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id):
+    from .kernels.mamba2.decode import Mamba2Shape
+
+    return Mamba2Shape(nheads, headdim, dstate, ngroups, window, capacity, cute_dtype(act_dtype),
+                       cute_dtype(dt_dtype), has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id)
+
+
+def compile_mamba2(shape, config):
+    """Compiled kernel for (shape, config) from the memory / disk cache, building it on a miss."""
+    from .compile_cache import compile_options, get_compiled
+    from .kernels.mamba2.decode import compile_decode
+
+    return get_compiled("mamba2_decode", shape.key() + config.key(),
+                        lambda: compile_decode(shape, config, compile_options()))
+
+
+def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
+    """The callable for one decode step of `cache` (memoised on a tensor-free tuple)."""
+    fast_key = (cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
+                cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
+                cache.pad_slot_id, batch <= 16, config)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
+                             cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
+                             dt_softplus, cache.pad_slot_id)
+        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch)
+        kernel = _fast[fast_key] = compile_mamba2(shape, cfg)
+    return kernel

@@ -1,0 +1,412 @@
+"""Float64 reference for Mamba-2 decoding, conventional and ReplaySSM.
+
+Written for clarity, not speed. Every function computes in float64 on the device of
+its inputs and returns float64 results (``mamba2_decode_cache_`` writes into the
+cache and into ``out`` in their own dtypes).
+
+Conventions (docs/replayssm.md, sections 2 and 3)
+--------------------------------------------------
+Shapes, with ``b`` = batch rows, ``H`` = heads, ``P`` = headdim (d_v), ``N`` = dstate
+(d_k), ``G`` = groups and ``h`` = number of ring records:
+
+* state / checkpoint ``(b, H, P, N)``, N contiguous
+* ``x (b, H, P)`` value, ``B (b, G, N)`` key, ``C (b, G, N)`` query; head ``hd`` uses
+  group ``hd // (H // G)``
+* ``dt (b, H)`` raw, ``dt_bias (H,)``, ``A (H,)`` (negative), ``D (H,)``, ``z (b, H, P)``
+* ``dt = softplus(dt + dt_bias)`` when ``dt_softplus`` (softplus(x) = x for x > 20)
+* ``alpha = exp(A * dt)``; ``S = alpha * S + dt * x B^T``; ``y = S C + D * x``;
+  with z: ``y *= z * sigmoid(z)``
+* ring records, oldest first: ``ring_x (b, h, H, P)``, ``ring_B (b, h, G, N)``,
+  ``ring_dt (b, h, H)`` with dt already after bias and softplus.
+
+ReplaySSM (standard decoding, T = 1) with window L and cursor h = committed records,
+0 <= h < L: a step appends the token's record (h + 1 records); if h + 1 == L it
+flushes: checkpoint = Replay(checkpoint, all h + 1 records) and the ring empties;
+otherwise it computes the output from checkpoint + records without writing state,
+either through the rebuilt state ("state" route) or through the output-only route
+
+    y = gamma_h * (S_ckpt C) + sum_j w_j * x_j * (B_j . C),
+    gamma_h = exp(A * sum_j dt_j),   w_j = dt_j * exp(A * sum_{i > j} dt_i),
+
+which never forms S. Window L == 1 is conventional decoding (every step flushes).
+
+Cache-level semantics (``mamba2_decode_cache_``) are documented on that function.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "softplus",
+    "mamba2_dt",
+    "mamba2_conventional_step",
+    "mamba2_replay",
+    "mamba2_replay_output",
+    "mamba2_replay_step",
+    "mamba2_decode_cache_",
+    "mamba2_materialize",
+]
+
+_F64 = torch.float64
+_ROUTES = ("output_only", "state")
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _f64(t: Tensor) -> Tensor:
+    return t.to(dtype=_F64)
+
+
+def _group_to_head(t: Tensor, nheads: int) -> Tensor:
+    """(..., G, N) -> (..., H, N): head hd gets group hd // (H // G)."""
+    ngroups = t.shape[-2]
+    if nheads % ngroups != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    return t.repeat_interleave(nheads // ngroups, dim=-2)
+
+
+def _state_times_c(state: Tensor, C: Tensor) -> Tensor:
+    """y[b, hd, p] = sum_n state[b, hd, p, n] * C[b, group(hd), n] (all float64)."""
+    C_h = _group_to_head(_f64(C), state.shape[1])
+    return (state * C_h[:, :, None, :]).sum(dim=-1)
+
+
+def _finish_output(y: Tensor, x: Tensor, D: Optional[Tensor], z: Optional[Tensor]) -> Tensor:
+    """Add the skip term D * x and apply the optional gate z * sigmoid(z)."""
+    if D is not None:
+        y = y + _f64(D).to(y.device)[None, :, None] * _f64(x)
+    if z is not None:
+        z64 = _f64(z)
+        y = y * (z64 * torch.sigmoid(z64))
+    return y
+
+
+def _slot_list(slot_ids: Union[Tensor, Sequence[int]]) -> list:
+    if isinstance(slot_ids, Tensor):
+        if slot_ids.dim() != 1:
+            raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
+        if slot_ids.dtype.is_floating_point or slot_ids.dtype.is_complex or slot_ids.dtype == torch.bool:
+            raise TypeError(f"slot_ids must be an integer tensor, got {slot_ids.dtype}")
+        return [int(s) for s in slot_ids.tolist()]
+    return [operator.index(s) for s in slot_ids]
+
+
+def _check_shape(name: str, t: Optional[Tensor], shape: tuple) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """The h committed records of one slot, oldest first, as float64 (1, h, ...) tensors.
+
+    Record i lives at ring index (origin + i) % capacity. Values are read as stored
+    (activation dtype for x and B, fp32 for dt) and converted exactly to float64.
+    """
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    dev = cache.checkpoint.device
+    if h == 0:
+        return (
+            torch.zeros((1, 0, H, P), dtype=_F64, device=dev),
+            torch.zeros((1, 0, G, N), dtype=_F64, device=dev),
+            torch.zeros((1, 0, H), dtype=_F64, device=dev),
+        )
+    origin = int(cache.origin[slot])
+    idx = torch.tensor([(origin + i) % cache.capacity for i in range(h)], device=dev)
+    return (
+        _f64(cache.ring_x[slot].index_select(0, idx)).unsqueeze(0),
+        _f64(cache.ring_B[slot].index_select(0, idx)).unsqueeze(0),
+        _f64(cache.ring_dt[slot].index_select(0, idx)).unsqueeze(0),
+    )
+
+
+def _slot_cursor(cache, slot: int) -> int:
+    h = int(cache.cursor[slot])
+    if not 0 <= h < cache.window:
+        raise RuntimeError(
+            f"cache.cursor[{slot}] = {h} is outside [0, window={cache.window}); the cache is corrupt"
+        )
+    return h
+
+
+# ----------------------------------------------------------------------------- layer math
+
+
+def softplus(x: Tensor) -> Tensor:
+    """softplus(x) = x for x > 20, else log1p(exp(x)). Keeps the dtype of x."""
+    x = torch.as_tensor(x)
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def mamba2_dt(dt: Tensor, dt_bias: Optional[Tensor] = None, dt_softplus: bool = False) -> Tensor:
+    """Processed dt in float64, shape (b, H): dt + dt_bias, then softplus if asked."""
+    out = _f64(dt)
+    if dt_bias is not None:
+        out = out + _f64(dt_bias).to(out.device)
+    if dt_softplus:
+        out = softplus(out)
+    return out
+
+
+def mamba2_conventional_step(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """One conventional decode step. Returns (y (b, H, P), new_state (b, H, P, N)), float64.
+
+    alpha = exp(A * dt); S = alpha * S + dt * x B^T; y = S C + D * x; y *= z * sigmoid(z).
+    """
+    S = _f64(state)
+    H = S.shape[1]
+    dt64 = mamba2_dt(dt, dt_bias, dt_softplus)  # (b, H)
+    alpha = torch.exp(_f64(A)[None, :] * dt64)  # (b, H)
+    B_h = _group_to_head(_f64(B), H)  # (b, H, N)
+    dtx = dt64[:, :, None] * _f64(x)  # (b, H, P)
+    new_state = alpha[:, :, None, None] * S + dtx[:, :, :, None] * B_h[:, :, None, :]
+    y = _finish_output(_state_times_c(new_state, C), x, D, z)
+    return y, new_state
+
+
+def mamba2_replay(checkpoint: Tensor, ring_x: Tensor, ring_B: Tensor, ring_dt: Tensor, A: Tensor) -> Tensor:
+    """Fold the h records (oldest first) into the checkpoint: the state after them, float64.
+
+    For each record j in order: S = exp(A * dt_j) * S + dt_j * x_j B_j^T.
+    ring_dt is already after bias and softplus.
+    """
+    S = _f64(checkpoint).clone()
+    H = S.shape[1]
+    A64 = _f64(A)[None, :]
+    for j in range(ring_x.shape[1]):
+        dt_j = _f64(ring_dt[:, j])  # (b, H)
+        B_h = _group_to_head(_f64(ring_B[:, j]), H)  # (b, H, N)
+        dtx = dt_j[:, :, None] * _f64(ring_x[:, j])  # (b, H, P)
+        S = torch.exp(A64 * dt_j)[:, :, None, None] * S + dtx[:, :, :, None] * B_h[:, :, None, :]
+    return S
+
+
+def mamba2_replay_output(
+    checkpoint: Tensor, ring_x: Tensor, ring_B: Tensor, ring_dt: Tensor, A: Tensor, C: Tensor
+) -> Tensor:
+    """Output (b, H, P) of the state Replay(checkpoint, records), without D or z, float64.
+
+    Output-only route; never forms the state:
+        y = gamma_h * (S_ckpt C) + sum_j w_j * x_j * (B_j . C)
+        gamma_h = exp(A * sum_j dt_j),  w_j = dt_j * exp(A * sum_{i > j} dt_i)
+    The dot products B_j . C are computed once per group and shared by its heads.
+    """
+    S0 = _f64(checkpoint)
+    H = S0.shape[1]
+    ngroups = C.shape[1]
+    A64 = _f64(A)[None, None, :]  # (1, 1, H)
+    dt = _f64(ring_dt)  # (b, h, H)
+
+    # sum_{i > j} dt_i for every record j (exclusive suffix sum along the ring).
+    later = torch.zeros_like(dt)
+    later[:, :-1] = torch.flip(torch.cumsum(torch.flip(dt[:, 1:], dims=[1]), dim=1), dims=[1])
+    w = dt * torch.exp(A64 * later)  # (b, h, H)
+    gamma = torch.exp(A64[:, 0] * dt.sum(dim=1))  # (b, H)
+
+    kq = (_f64(ring_B) * _f64(C)[:, None]).sum(dim=-1)  # (b, h, G): B_j . C per group
+    kq_h = kq.repeat_interleave(H // ngroups, dim=2)  # (b, h, H)
+
+    y_ckpt = _state_times_c(S0, C)  # (b, H, P)
+    y_ring = ((w * kq_h)[..., None] * _f64(ring_x)).sum(dim=1)  # (b, H, P)
+    return gamma[:, :, None] * y_ckpt + y_ring
+
+
+def mamba2_replay_step(
+    checkpoint: Tensor,
+    ring_x: Tensor,
+    ring_B: Tensor,
+    ring_dt: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = False,
+    *,
+    window: int,
+    route: str = "output_only",
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One ReplaySSM decode step (T = 1) for a batch whose rows all hold the same h.
+
+    The ring tensors hold the h committed records before this token (0 <= h < window),
+    oldest first; h is ``ring_x.shape[1]`` and is shared by every row of the batch
+    (``mamba2_decode_cache_`` handles rows at different ring positions, one row at a time).
+
+    The token's record (x, B, processed dt) is appended, giving h + 1 records. Then:
+      * h + 1 == window: flush. new_checkpoint = Replay(checkpoint, all h + 1 records) and
+        y = new_checkpoint C (the route is irrelevant); the returned rings are empty.
+      * otherwise: the checkpoint is returned unchanged (a float64 copy) and y comes from
+        ``route``: "output_only" (``mamba2_replay_output``) or "state" (rebuild S, y = S C).
+    Then y += D * x and y *= z * sigmoid(z) where given.
+
+    Returns (y, new_checkpoint, new_ring_x, new_ring_B, new_ring_dt), all float64; the new
+    rings hold h + 1 records (non-flush) or 0 records (flush), new_ring_dt after softplus.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if route not in _ROUTES:
+        raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
+    h = ring_x.shape[1]
+    if not (ring_B.shape[1] == h and ring_dt.shape[1] == h):
+        raise ValueError(
+            f"ring_x, ring_B, ring_dt must hold the same number of records, got "
+            f"{ring_x.shape[1]}, {ring_B.shape[1]}, {ring_dt.shape[1]}"
+        )
+    if not 0 <= h < window:
+        raise ValueError(f"the ring holds h={h} records; need 0 <= h < window={window}")
+
+    dt64 = mamba2_dt(dt, dt_bias, dt_softplus)  # (b, H)
+    all_x = torch.cat([_f64(ring_x), _f64(x)[:, None]], dim=1)
+    all_B = torch.cat([_f64(ring_B), _f64(B)[:, None]], dim=1)
+    all_dt = torch.cat([_f64(ring_dt), dt64[:, None]], dim=1)
+    ckpt = _f64(checkpoint)
+
+    if h + 1 == window:
+        new_ckpt = mamba2_replay(ckpt, all_x, all_B, all_dt, A)
+        y = _state_times_c(new_ckpt, C)
+        all_x, all_B, all_dt = all_x[:, :0], all_B[:, :0], all_dt[:, :0]
+    else:
+        new_ckpt = ckpt.clone()
+        if route == "state":
+            y = _state_times_c(mamba2_replay(ckpt, all_x, all_B, all_dt, A), C)
+        else:
+            y = mamba2_replay_output(ckpt, all_x, all_B, all_dt, A, C)
+
+    y = _finish_output(y, x, D, z)
+    return y, new_ckpt, all_x, all_B, all_dt
+
+
+# ----------------------------------------------------------------------------- cache level
+
+
+def mamba2_decode_cache_(
+    cache,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    slot_ids: Union[Tensor, Sequence[int]],
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    dt_softplus: bool = False,
+    out: Optional[Tensor] = None,
+) -> Tensor:
+    """In-place cache-level reference step (T = 1) on a ``Mamba2Cache``; returns ``out``.
+
+    Row r uses slot ``slot_ids[r]``. A row is skipped (no cache tensor touched, ``out[r]``
+    untouched; zeros when ``out`` is allocated here) if its slot id equals
+    ``cache.pad_slot_id`` or lies outside ``[0, num_slots)``. Two active rows naming the same
+    slot raise ValueError. Every active row, independently, with h = cursor[slot]:
+
+      * reads the slot's checkpoint and its h records at ring index (origin + i) % capacity,
+        as stored (ring dtype, converted to float64), and runs ``mamba2_replay_step`` in
+        float64 (output-only route). The current token's own contribution uses x, B and dt
+        as given, in float64 (dt processed with dt_bias / softplus in float64);
+      * non-flush (h + 1 < window): writes the record at (origin + h) % capacity (x and B
+        cast to the ring dtype, processed dt cast to fp32), cursor += 1; the checkpoint is
+        not written;
+      * flush (h + 1 == window): writes the new checkpoint (cast to fp32), cursor = 0,
+        origin unchanged; the flushing token's record is folded, not stored.
+
+    window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
+    touched. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
+    """
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a (batch, {H}, {P}) tensor")
+    b = x.shape[0]
+    _check_shape("x", x, (b, H, P))
+    _check_shape("dt", dt, (b, H))
+    _check_shape("A", A, (H,))
+    _check_shape("B", B, (b, G, N))
+    _check_shape("C", C, (b, G, N))
+    _check_shape("D", D, (H,))
+    _check_shape("z", z, (b, H, P))
+    _check_shape("dt_bias", dt_bias, (H,))
+    if out is None:
+        out = torch.zeros_like(x)
+    else:
+        _check_shape("out", out, (b, H, P))
+    ids = _slot_list(slot_ids)
+    if len(ids) != b:
+        raise ValueError(f"slot_ids has {len(ids)} entries, expected {b} (one per row of x)")
+
+    active = [(r, s) for r, s in enumerate(ids) if s != cache.pad_slot_id and 0 <= s < cache.num_slots]
+    used = [s for _, s in active]
+    if len(set(used)) != len(used):
+        raise ValueError(f"slot_ids names a slot more than once among active rows: {ids}")
+
+    for r, s in active:
+        h = _slot_cursor(cache, s)
+        rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
+        row = slice(r, r + 1)
+        y, new_ckpt, _, _, new_dt = mamba2_replay_step(
+            cache.checkpoint[s : s + 1],
+            rec_x,
+            rec_B,
+            rec_dt,
+            x[row],
+            dt[row],
+            A,
+            B[row],
+            C[row],
+            D,
+            None if z is None else z[row],
+            dt_bias,
+            dt_softplus,
+            window=cache.window,
+            route="output_only",
+        )
+        out[r] = y[0].to(dtype=out.dtype, device=out.device)
+        if h + 1 == cache.window:
+            cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
+            cache.cursor[s] = 0
+        else:
+            pos = (int(cache.origin[s]) + h) % cache.capacity
+            cache.ring_x[s, pos] = x[r].to(dtype=cache.ring_x.dtype, device=cache.ring_x.device)
+            cache.ring_B[s, pos] = B[r].to(dtype=cache.ring_B.dtype, device=cache.ring_B.device)
+            cache.ring_dt[s, pos] = new_dt[0, -1].to(dtype=cache.ring_dt.dtype)
+            cache.cursor[s] = h + 1
+    return out
+
+
+def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
+    """Current state of each named slot, float64 (n, H, P, N): checkpoint + replay of its
+    committed records (read as stored). Slot ids must lie in [0, num_slots)."""
+    ids = _slot_list(slot_ids)
+    out = torch.empty(
+        (len(ids), cache.nheads, cache.headdim, cache.dstate), dtype=_F64, device=cache.checkpoint.device
+    )
+    for i, s in enumerate(ids):
+        if not 0 <= s < cache.num_slots:
+            raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
+        h = _slot_cursor(cache, s)
+        rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
+        out[i] = mamba2_replay(cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, A)[0]
+    return out
