@@ -1,0 +1,244 @@
+"""Decode latency: conventional vs ReplaySSM standard decoding, Mamba-2 model shapes (GPU).
+
+    python sweeps/bench_decode.py --models nemotron-super,nemotron-nano-4b \
+        --batch 1,32,64,128,256,512 --out sweeps/results/decode_h200.csv
+
+Protocol (shared/docs/performance.md): every figure is the median over replays of a CUDA graph of
+many launches; the pool rotates over enough slot sets that each step streams its checkpoint from
+HBM (>= 512 MB per rotation, far above the 60 MB L2); inputs are random with realistic decays. The
+device-to-device copy rate is measured in the same run and every kernel is reported as achieved
+TB/s on its ideal bytes and as a fraction of that copy rate.
+
+Per (model, batch) it reports, each kernel at the best of a small set of launch configs:
+- conventional step (window 1: load, update, store);
+- ReplaySSM window mean (L steps, h = 0..L-1, flush included), rows aligned and rows staggered
+  over ring positions (row r starts at h = r mod L);
+- ReplaySSM flush step alone (every row at h = L-1), and the non-flush mean derived from the two
+  as (L * mean - flush) / (L - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import replayssm_cute as rs  # noqa: E402
+from replayssm_cute.models import get_model  # noqa: E402
+
+ROTATION_BYTES = 512 << 20
+CONFIG_ROWS = (16, 32, 40, 64, 80)
+
+
+def candidate_configs(P: int, batch: int):
+    from replayssm_cute.kernels.mamba2.decode import Mamba2Config
+
+    rows = [r for r in CONFIG_ROWS if P % r == 0 and r % 8 == 0]
+    if batch <= 16:
+        rows = [r for r in rows if r <= 32]
+    out = []
+    for r in rows:
+        for sr in (8, 16):
+            if r % sr == 0:
+                out.append(Mamba2Config(rows_per_cta=r, stage_rows=sr, num_warps=4))
+    return out
+
+
+def _compile_one(args):
+    model, window, cfg = args
+    import replayssm_cute.kernels_host as kh
+
+    shape = kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window,
+                            torch.bfloat16, torch.bfloat16, True, False, True, True, -1)
+    kh.compile_mamba2(shape, cfg)
+    return True
+
+
+def precompile_parallel(jobs, workers):
+    """cute.compile is not thread-safe: fill the disk cache from worker processes first."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        list(pool.map(_compile_one, jobs))
+
+
+def time_graph(fn, launches_per_replay: int, replays: int = 15) -> float:
+    """Median microseconds per launch over replays of a graph that calls fn() once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches_per_replay)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    n = (2 << 30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: [dst.copy_(src) for _ in range(5)], 5, replays=9)
+    del src, dst
+    return 2 * n * 4 / (us * 1e-6)
+
+
+class Setup:
+    """One pool at one model shape and batch, with rotating slot sets and fixed random inputs."""
+
+    def __init__(self, model, batch, window, stagger=False, seed=0):
+        H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
+        self.model, self.batch, self.window = model, batch, window
+        self.state_bytes = H * P * N * 4
+        self.nsets = max(2, math.ceil(ROTATION_BYTES / (batch * self.state_bytes)))
+        slots = self.nsets * batch
+        dev = torch.device("cuda")
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        self.cache = rs.Mamba2Cache(slots, H, P, N, G, window=window, dtype=torch.bfloat16, device=dev)
+        self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
+        if window > 1:
+            self.cache.ring_x.normal_(generator=gen)
+            self.cache.ring_B.normal_(generator=gen)
+            self.cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
+            if stagger:
+                r = torch.arange(slots, device=dev) % batch
+                self.cache.cursor.copy_((r % window).int())
+        self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
+                     for i in range(self.nsets)]
+        self.A = -(1 + torch.rand(H, generator=gen, device=dev))
+        self.dt_bias = -4 + torch.rand(H, generator=gen, device=dev)
+        self.D = torch.randn(H, generator=gen, device=dev)
+        bf = torch.bfloat16
+        self.x = torch.randn(batch, H, P, generator=gen, device=dev).to(bf)
+        self.dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(bf)
+        self.B = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.C = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.out = torch.empty(batch, H, P, dtype=bf, device=dev)
+
+    def step(self, slot_ids, config):
+        rs.decode(self.cache, self.x, self.dt, self.A, self.B, self.C, slot_ids, D=self.D,
+                  dt_bias=self.dt_bias, dt_softplus=True, out=self.out, config=config)
+
+    def window_fn(self, config):
+        def fn():
+            for _ in range(self.window):
+                for ids in self.sets:
+                    self.step(ids, config)
+        return fn, self.window * self.nsets
+
+    def flush_fn(self, config):
+        def fn():
+            self.cache.cursor.fill_(self.window - 1)
+            for ids in self.sets:
+                self.step(ids, config)
+        return fn, self.nsets
+
+
+def ideal_bytes(model, batch, window):
+    H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
+    S = H * P * N * 4
+    e = H * P * 2 + G * N * 2 + H * 4
+    act = 2 * H * P * 2 + 2 * G * N * 2 + H * 2
+    L = window
+    return dict(
+        conventional=batch * (2 * S + act),
+        window_mean=batch * (S + S / L + e * (L - 1) / 2 + e * (L - 1) / L + act),
+        flush=batch * (2 * S + (L - 1) * e + act),
+        nonflush_mean=batch * (S + e * (L - 2) / 2 + e + act),
+    )
+
+
+def best(fn_factory, configs):
+    results = []
+    for cfg in configs:
+        fn, n = fn_factory(cfg)
+        results.append((time_graph(fn, n), cfg))
+    return min(results, key=lambda t: t[0])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="nemotron-super,nemotron-nano-4b")
+    ap.add_argument("--batch", default="1,32,64,128,256,512")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--out", default="sweeps/results/decode_h200.csv")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode: no CUDA GPU found; this benchmark times kernels and needs one.")
+        return 1
+    import pandas as pd
+
+    models = [get_model(m) for m in args.models.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
+    L = args.window
+    jobs = {(m, w, c) for m in models for b in batches for w in (1, L) for c in candidate_configs(m.headdim, b)}
+    precompile_parallel(sorted(jobs, key=repr), args.workers)
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
+    rows = []
+    for m in models:
+        for b in batches:
+            cfgs = candidate_configs(m.headdim, b)
+            ideal = ideal_bytes(m, b, L)
+            conv = Setup(m, b, 1)
+            t_conv, c_conv = best(conv.window_fn, cfgs)
+            del conv
+            aligned = Setup(m, b, L)
+            t_mean, c_mean = best(aligned.window_fn, cfgs)
+            t_flush, _ = best(aligned.flush_fn, [c_mean])
+            del aligned
+            stag = Setup(m, b, L, stagger=True)
+            t_stag, _ = best(stag.window_fn, [c_mean])
+            del stag
+            torch.cuda.empty_cache()
+            t_nonflush = (L * t_mean - t_flush) / (L - 1)
+            rec = dict(model=m.name, batch=b, window=L, copy_tbps=bw / 1e12,
+                       conv_us=t_conv, conv_cfg=str(c_conv.key()),
+                       replay_mean_us=t_mean, replay_cfg=str(c_mean.key()),
+                       replay_staggered_us=t_stag, flush_us=t_flush, nonflush_mean_us=t_nonflush)
+            for name, t in (("conventional", t_conv), ("window_mean", t_mean), ("flush", t_flush),
+                            ("nonflush_mean", t_nonflush)):
+                tbps = ideal[name] / (t * 1e-6) / 1e12
+                rec[f"{name}_tbps"] = tbps
+                rec[f"{name}_frac_copy"] = tbps * 1e12 / bw
+            rec["staggered_frac_copy"] = ideal["window_mean"] / (t_stag * 1e-6) / bw
+            rec["speedup_mean_vs_conv"] = t_conv / t_mean
+            rec["staggered_vs_aligned"] = t_stag / t_mean
+            rows.append(rec)
+            print(f"{m.name:18s} b={b:4d} conv {t_conv:8.1f}us ({rec['conventional_frac_copy']:.1%}) "
+                  f"replay mean {t_mean:8.1f}us ({rec['window_mean_frac_copy']:.1%}) "
+                  f"stag {t_stag:8.1f}us ({rec['staggered_frac_copy']:.1%}) "
+                  f"flush {t_flush:8.1f}us ({rec['flush_frac_copy']:.1%}) "
+                  f"nonflush {t_nonflush:8.1f}us ({rec['nonflush_mean_frac_copy']:.1%}) "
+                  f"speedup {rec['speedup_mean_vs_conv']:.2f}x", flush=True)
+    df = pd.DataFrame(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out, index=False)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
