@@ -486,6 +486,7 @@ def test_materialize_validation_and_fresh_slots():
     S = _randn(g, 2, H, P, N)
     cache.load_prefill([2, 1], S)
     assert torch.equal(cache.materialize(torch.tensor([1, 2]), A), S.flip(0).float().to(F64))
+    assert torch.equal(cache.materialize([2, 2], A), S[[0, 0]])
     with pytest.raises(ValueError, match="slot_ids"):
         cache.materialize([3], A)
     with pytest.raises(ValueError, match="reserved"):

@@ -157,7 +157,7 @@ def test_conventional_step_accepts_low_precision_inputs():
 # ----------------------------------------------------------------------------- replay
 
 
-def _records(g, b, h, G, A_like=None):
+def _records(g, b, h, G):
     return (
         _randn(g, b, h, H, P),
         _randn(g, b, h, G, N),

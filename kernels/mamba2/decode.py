@@ -42,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, softplus, warp_sum
+from ..common import issue_tile_loads, lane_sums, make_row_tma, softplus, warp_sum
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,20 @@ class Mamba2Shape:
 
 @dataclass(frozen=True)
 class Mamba2Config:
-    """Launch configuration. rows_per_cta divides headdim; stage_rows divides rows_per_cta and is
-    a multiple of num_warps (so each unrolled row iteration waits on a static stage)."""
+    """Launch configuration: rows_per_cta divides headdim and num_warps divides rows_per_cta; each
+    warp's rows arrive as one TMA stage with its own mbarrier."""
 
     rows_per_cta: int = 16
-    stage_rows: int = 8
     num_warps: int = 4
+    min_ctas_per_sm: int = 0  # > 0 caps registers so this many CTAs fit on an SM
+    row_unroll: int = 2
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.rows_per_cta // self.num_warps
 
     def key(self):
-        return (self.rows_per_cta, self.stage_rows, self.num_warps)
+        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm, self.row_unroll)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         """None if valid for `shape`, else the reason."""
@@ -88,12 +93,12 @@ class Mamba2Config:
             return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
         if P % self.rows_per_cta:
             return f"rows_per_cta {self.rows_per_cta} does not divide headdim {P}"
-        if self.rows_per_cta % self.stage_rows or self.stage_rows % self.num_warps:
-            return "stage_rows must divide rows_per_cta and be a multiple of num_warps"
-        if self.stage_rows > 256:
-            return "stage_rows above the TMA box limit of 256"
-        if shape.window > 32 * self.num_warps:
-            return "window larger than the CTA's thread count"
+        if self.rows_per_cta % self.num_warps:
+            return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
+        if self.rows_per_warp > 256:
+            return "rows per warp above the TMA box limit of 256"
+        if shape.window > 32:
+            return "window above 32 (one lane per record)"
         return None
 
 
@@ -108,10 +113,9 @@ class Mamba2Decode:
         self.config = config
 
     def smem_bytes(self) -> int:
-        s, c = self.shape, self.config
-        state = c.rows_per_cta * s.dstate * 4
-        return state + 8 * (c.rows_per_cta // c.stage_rows) + 4 * (3 * s.window + 1) \
-            + 4 * c.rows_per_cta * (s.window + 1) + 512
+        c = self.config
+        return (c.rows_per_cta * self.shape.dstate + c.rows_per_cta * self.shape.window) * 4 \
+            + 8 * c.num_warps + 256
 
     @cute.jit
     def __call__(
@@ -137,12 +141,12 @@ class Mamba2Decode:
     ):
         s, c = self.shape, self.config
         H, P, N = s.nheads, s.headdim, s.dstate
-        # The checkpoint as (slots * H * P, N) rows so a TMA box is `stage_rows` state rows.
+        # The checkpoint as (slots * H * P, N) rows so a TMA box is one warp's state rows.
         mRows = cute.make_tensor(
             mCheckpoint.iterator,
             cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
         )
-        tma_atom, mRowsTma = make_row_tma(mRows, c.stage_rows, N)
+        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
         self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
             mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals,
@@ -151,6 +155,8 @@ class Mamba2Decode:
             block=[32 * c.num_warps, 1, 1],
             smem=self.smem_bytes(),
             stream=stream,
+            min_blocks_per_mp=c.min_ctas_per_sm,
+            preferred_smem_carveout=100,  # the checkpoint tiles in flight live in shared memory
         )
 
     @cute.kernel
@@ -176,18 +182,23 @@ class Mamba2Decode:
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
     ):
+        # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each); lane j
+        # owns record j (dt_j, w_j, B_j . C and x_j over the warp's rows, one vector load); lanes
+        # also split each state row's N columns. One butterfly sum per row then yields
+        # gamma (S_ckpt[p] . C) + sum_j w_j (B_j . C) x_j[p]; a flush broadcasts w_j x_j[p] by
+        # shuffles. No CTA barrier between the TMA issue and the cursor update.
         s, c = self.shape, self.config
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
-        R, SR, W = c.rows_per_cta, c.stage_rows, c.num_warps
-        stages = R // SR
-        nthreads = 32 * W
+        R, W = c.rows_per_cta, c.num_warps
+        RW = R // W
+        JC = next(k for k in (8, 4, 2, 1) if L % k == 0)  # records folded per pass
         vec = N // 32
         heads_per_group = H // G
         act = s.act_dtype
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
-        warp = tidx // 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
         slot = mSlot[row]
@@ -198,37 +209,24 @@ class Mamba2Decode:
         if valid:
             slot64 = Int64(slot)
             group = head // heads_per_group
-            p0 = ptile * R
+            p_warp = ptile * R + warp * RW
 
             smem = SmemAllocator()
             sState = smem.allocate_tensor(
-                Float32, cute.make_layout((SR, N, stages), stride=(N, 1, SR * N)), byte_alignment=128
+                Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
             )
-            mbar = smem.allocate_array(Int64, stages, byte_alignment=8)
-            sDt = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)
-            sW = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)
-            sBC = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)
-            sGamma = smem.allocate_tensor(Float32, cute.make_layout(1), byte_alignment=16)
-            sCoef = smem.allocate_tensor(Float32, cute.make_layout((L, R), stride=(R, 1)), byte_alignment=16)
-            sRing = smem.allocate_tensor(Float32, cute.make_layout(R), byte_alignment=16)
-
-            # Stream this CTA's checkpoint rows while the step's scalars are formed.
-            if warp == 0:
-                for st in cutlass.range_constexpr(stages):
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_init(mbar + st, 1)
+            mbar = smem.allocate_array(Int64, W, byte_alignment=8)
+            sCoefAll = smem.allocate_tensor(  # flush: w_j x_j[p] per warp, row and record
+                Float32, cute.make_layout((RW, L, W), stride=(L, 1, RW * L)), byte_alignment=16
+            )
+            if tidx == 0:
+                for st in cutlass.range_constexpr(W):
+                    cute.arch.mbarrier_init(mbar + st, 1)
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
-                first_box = Int32((slot64 * (H * P) + head * P + p0) // SR)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, stages, SR * N * 4)
-
-            A = mA[head].to(Float32)
-            dt_cur = mDt[row, head].to(Float32)
-            if cutlass.const_expr(s.has_dt_bias):
-                dt_cur = dt_cur + mDtBias[head].to(Float32)
-            if cutlass.const_expr(s.dt_softplus):
-                dt_cur = softplus(dt_cur)
+                first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
+                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
 
             h = Int32(0)
             origin = Int32(0)
@@ -236,113 +234,138 @@ class Mamba2Decode:
                 h = mCursor[slot]
                 origin = mOrigin[slot]
             flush = h + 1 == L
+            pos = (origin + lane) % cap  # ring index of this lane's record
+            pos_h = (origin + h) % cap  # where this token's record goes
 
-            # Record j's weight w_j = dt_j * exp(A * sum_{i in (j, h]} dt_i); gamma = decay of all.
-            if tidx <= h:
-                dt_j = dt_cur
-                if cutlass.const_expr(L > 1):
-                    if tidx < h:
-                        dt_j = mRingDt[slot64, (origin + tidx) % cap, head]
-                sDt[tidx] = dt_j
-            cute.arch.sync_threads()
-            if tidx <= h:
-                suffix = Float32(0.0)
-                for i in cutlass.range(tidx + 1, h + 1):
-                    suffix = suffix + sDt[i]
-                sW[tidx] = sDt[tidx] * cute.math.exp(A * suffix, fastmath=False)
-                if tidx == 0:
-                    sGamma[0] = cute.math.exp(A * (suffix + sDt[0]), fastmath=False)
+            # The query columns and this lane's columns of every record's B_j.
+            rCa = cute.make_rmem_tensor((vec,), act)
+            cute.autovec_copy(cute.local_tile(mC[row, group, None], (vec,), (lane,)), rCa)
+
+            A = mA[head].to(Float32)
+            dt_j = Float32(0.0)
+            if lane == h:
+                dt_j = mDt[row, head].to(Float32)
+                if cutlass.const_expr(s.has_dt_bias):
+                    dt_j = dt_j + mDtBias[head].to(Float32)
+                if cutlass.const_expr(s.dt_softplus):
+                    dt_j = softplus(dt_j)
+            if cutlass.const_expr(L > 1):
+                if lane < h:
+                    dt_j = mRingDt[slot64, pos, head]
+            # Suffix sums over records (j, h] by a reversed inclusive scan across lanes.
+            tail = dt_j
+            for k in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_down(tail, 1 << k)
+                if lane + (1 << k) < 32:
+                    tail = tail + other
+            w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
+            gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
             rC = cute.make_rmem_tensor((vec,), Float32)
-            for v in cutlass.range_constexpr(vec):
-                rC[v] = mC[row, group, lane * vec + v].to(Float32)
-            rB = cute.make_rmem_tensor((L * vec,), Float32)
-            cute.arch.sync_threads()
-
-            if flush:
-                # Fold: S = gamma * S_ckpt + sum_j (w_j x_j) B_j^T; lanes keep their B columns.
-                for t in cutlass.range(tidx, R, nthreads):
+            rC.store(rCa.load().to(Float32))
+            coef_j = Float32(0.0)  # non-flush: w_j (B_j . C), the weight of x_j[p] in y[p]
+            if cutlass.const_expr(L > 1):
+                if not flush:
+                    bc = [Float32(0.0)] * L
                     for j in cutlass.range_constexpr(L):
-                        if cutlass.const_expr(j < L - 1):
-                            sCoef[j, t] = sW[j] * mRingX[slot64, (origin + j) % cap, head, p0 + t].to(Float32)
-                        else:
-                            sCoef[j, t] = sW[j] * mX[row, head, p0 + t].to(Float32)
-                for j in cutlass.range_constexpr(L):
-                    for v in cutlass.range_constexpr(vec):
-                        if cutlass.const_expr(j < L - 1):
-                            rB[j * vec + v] = mRingB[slot64, (origin + j) % cap, group, lane * vec + v].to(Float32)
-                        else:
-                            rB[j * vec + v] = mB[row, group, lane * vec + v].to(Float32)
-            else:
-                if cutlass.const_expr(L > 1):
-                    # Output-only route: B_j . C once per record, shared by the P rows.
-                    for j in cutlass.range(warp, h + 1, W):
-                        part = Float32(0.0)
+                        rBj = cute.make_rmem_tensor((vec,), act)
+                        rBj.fill(0.0)
+                        if j == h:
+                            cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBj)
+                        if j < h:
+                            cute.autovec_copy(
+                                cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)), rBj)
                         for v in cutlass.range_constexpr(vec):
-                            b_jv = mB[row, group, lane * vec + v].to(Float32)
-                            if j < h:
-                                b_jv = mRingB[slot64, (origin + j) % cap, group, lane * vec + v].to(Float32)
-                            part = part + b_jv * rC[v]
-                        part = warp_sum(part)
-                        if lane == 0:
-                            sBC[j] = part
-                    cute.arch.sync_threads()
-                    pos = (origin + h) % cap
-                    for t in cutlass.range(tidx, R, nthreads):
-                        x_now = mX[row, head, p0 + t]
-                        acc = sW[h] * sBC[h] * x_now.to(Float32)
-                        for j in cutlass.range(0, h):
-                            acc = acc + sW[j] * sBC[j] * mRingX[slot64, (origin + j) % cap, head, p0 + t].to(Float32)
-                        sRing[t] = acc
-                        mRingX[slot64, pos, head, p0 + t] = x_now
-                    if ptile == 0:
+                            bc[j] = bc[j] + rBj[v].to(Float32) * rC[v]
+                    coef_j = w_j * lane_sums(bc, lane)
+                    # Append this token's B and dt (its x goes in below, with the outputs).
+                    if ptile == 0 and warp == 0:
                         if head % heads_per_group == 0:
-                            for n in cutlass.range(tidx, N, nthreads):
-                                mRingB[slot64, pos, group, n] = mB[row, group, n]
-                        if tidx == 0:
-                            mRingDt[slot64, pos, head] = dt_cur
-            cute.arch.sync_threads()
+                            for v in cutlass.range_constexpr(vec):
+                                mRingB[slot64, pos_h, group, lane * vec + v] = mB[row, group, lane * vec + v]
+                        if lane == h:
+                            mRingDt[slot64, pos_h, head] = dt_j
 
-            gamma = sGamma[0]
-            for it in cutlass.range_constexpr(R // W):
-                r = it * W + warp
-                st = (it * W) // SR
-                cute.arch.mbarrier_wait(mbar + st, 0)
+            D = Float32(0.0)
+            if cutlass.const_expr(s.has_D):
+                D = mD[head].to(Float32)
+            cute.arch.mbarrier_wait(mbar + warp, 0)
+            if flush:
+                # Fold in place in shared memory, a few records per pass, so that no more than a
+                # chunk of B columns is ever live in registers: S = gamma S + sum_j (w_j x_j[p]) B_j.
+                sCoef = sCoefAll[None, None, warp]
+                for r in cutlass.range(RW, unroll=c.row_unroll):
+                    x_j = Float32(0.0)
+                    if lane == h:
+                        x_j = mX[row, head, p_warp + r].to(Float32)
+                    if cutlass.const_expr(L > 1):
+                        if lane < h:
+                            x_j = mRingX[slot64, pos, head, p_warp + r].to(Float32)
+                    if lane < L:
+                        sCoef[r, lane] = w_j * x_j
+                cute.arch.sync_warp()
+                for jc in cutlass.range(L // JC):
+                    rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), act)
+                    for jj in cutlass.range_constexpr(JC):
+                        j = jc * JC + jj
+                        if cutlass.const_expr(L == 1):
+                            cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
+                        else:
+                            if j == L - 1:
+                                cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
+                            else:
+                                cute.autovec_copy(
+                                    cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)),
+                                    rBc[jj, None])
+                    scale = cutlass.select_(jc == 0, gamma, Float32(1.0))
+                    for r in cutlass.range(RW, unroll=c.row_unroll):
+                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(tS, rS)
+                        for v in cutlass.range_constexpr(vec):
+                            rS[v] = scale * rS[v]
+                        for jj in cutlass.range_constexpr(JC):
+                            coef = sCoef[r, jc * JC + jj]
+                            for v in cutlass.range_constexpr(vec):
+                                rS[v] = rS[v] + coef * rBc[jj, v].to(Float32)
+                        cute.autovec_copy(rS, tS)
+                cute.arch.sync_warp()
+            # Output: flush rows read the folded state; others gamma (S_ckpt . C) + sum_j coef_j x_j.
+            gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
+            # A runtime loop over the warp's rows keeps registers low (occupancy = bytes in flight).
+            for r in cutlass.range(RW, unroll=c.row_unroll):
+                p = p_warp + r
+                x_j = Float32(0.0)  # x of this lane's record at row p (lane h: the current token)
+                if lane == h:
+                    x_j = mX[row, head, p].to(Float32)
+                if cutlass.const_expr(L > 1):
+                    if lane < h:
+                        x_j = mRingX[slot64, pos, head, p].to(Float32)
                 rS = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(cute.local_tile(sState[r % SR, None, st], (vec,), (lane,)), rS)
+                cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                 if flush:
-                    for v in cutlass.range_constexpr(vec):
-                        acc = gamma * rS[v]
-                        for j in cutlass.range_constexpr(L):
-                            acc = acc + sCoef[j, r] * rB[j * vec + v]
-                        rS[v] = acc
-                    cute.autovec_copy(rS, cute.local_tile(mCheckpoint[slot64, head, p0 + r, None], (vec,), (lane,)))
+                    cute.autovec_copy(rS, cute.local_tile(mCheckpoint[slot64, head, p, None], (vec,), (lane,)))
                 part = Float32(0.0)
                 for v in cutlass.range_constexpr(vec):
                     part = part + rS[v] * rC[v]
-                dot = warp_sum(part)
-                if lane == 0:
-                    y = gamma * dot
-                    if flush:
-                        y = dot
-                    else:
-                        y = y + sRing[r]
-                    x_now = mX[row, head, p0 + r].to(Float32)
+                y = warp_sum(gamma_out * part + coef_j * x_j)
+                if lane == h:  # its x_j is the current token's
                     if cutlass.const_expr(s.has_D):
-                        y = y + mD[head].to(Float32) * x_now
+                        y = y + D * x_j
                     if cutlass.const_expr(s.has_z):
-                        z = mZ[row, head, p0 + r].to(Float32)
+                        z = mZ[row, head, p].to(Float32)
                         y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                    mOut[row, head, p0 + r] = y.to(act)
+                    mOut[row, head, p] = y.to(act)
+                    if cutlass.const_expr(L > 1):
+                        if not flush:
+                            mRingX[slot64, pos_h, head, p] = x_j.to(act)
 
             if cutlass.const_expr(L > 1):
                 # The last CTA of this row to finish advances the cursor: every CTA has read h by now.
                 cute.arch.sync_threads()
                 if tidx == 0:
                     cute.arch.fence_acq_rel_gpu()
-                    done = cute.arch.atomic_add(
-                        mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu"
-                    )
+                    done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
                     if done == H * (P // R) - 1:
                         next_h = h + 1
                         if flush:
@@ -352,44 +375,50 @@ class Mamba2Decode:
 
 
 def _fake_inputs(shape: Mamba2Shape):
-    """Fake tensors with symbolic batch and slot dims, matching what the API passes."""
+    """Fake tensors with symbolic batch and slot dims, matching what the API passes.
+
+    Activation rows may be views into wider tensors (any batch stride), but their base and batch
+    stride must be 16-byte aligned (checked by the API) so rows load as vectors.
+    """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     H, P, N, G, cap = shape.nheads, shape.headdim, shape.dstate, shape.ngroups, shape.capacity
     act = shape.act_dtype
     batch, slots = cute.sym_int(), cute.sym_int()
+    per_16b = 16 * 8 // act.width
 
-    def compact(dtype, dims, align=None):
+    def compact(dtype, dims, align=16):
         return make_fake_compact_tensor(dtype, dims, stride_order=tuple(reversed(range(len(dims)))),
                                         assumed_align=align)
 
-    def batch_strided(dtype, dims):
-        # Rows may be a view into a wider activation tensor: the batch stride is free.
-        inner = [1]
-        for d in reversed(dims[2:] if len(dims) > 2 else ()):
-            inner.insert(0, inner[0] * d)
-        stride = (cute.sym_int64(),) + tuple(inner[-(len(dims) - 1):])
-        return make_fake_tensor(dtype, (batch,) + tuple(dims[1:]), stride)
+    def rows(dtype, inner, align=16):
+        strides, step = [], 1
+        for d in reversed(inner):
+            strides.insert(0, step)
+            step *= d
+        div = per_16b if align == 16 else 1
+        return make_fake_tensor(dtype, (batch,) + tuple(inner),
+                                (cute.sym_int64(divisibility=div),) + tuple(strides), assumed_align=align)
 
     replay = shape.window > 1
     return dict(
-        mCheckpoint=compact(Float32, (slots, H, P, N), align=16),
-        mX=batch_strided(act, (batch, H, P)),
-        mDt=batch_strided(shape.dt_dtype, (batch, H)),
-        mA=compact(Float32, (H,)),
-        mB=batch_strided(act, (batch, G, N)),
-        mC=batch_strided(act, (batch, G, N)),
-        mD=compact(Float32, (H,)) if shape.has_D else None,
-        mZ=batch_strided(act, (batch, H, P)) if shape.has_z else None,
-        mDtBias=compact(Float32, (H,)) if shape.has_dt_bias else None,
-        mSlot=compact(Int32, (batch,)),
-        mOut=batch_strided(act, (batch, H, P)),
+        mCheckpoint=compact(Float32, (slots, H, P, N)),
+        mX=rows(act, (H, P)),
+        mDt=rows(shape.dt_dtype, (H,), align=None),
+        mA=compact(Float32, (H,), align=4),
+        mB=rows(act, (G, N)),
+        mC=rows(act, (G, N)),
+        mD=compact(Float32, (H,), align=4) if shape.has_D else None,
+        mZ=rows(act, (H, P)) if shape.has_z else None,
+        mDtBias=compact(Float32, (H,), align=4) if shape.has_dt_bias else None,
+        mSlot=compact(Int32, (batch,), align=4),
+        mOut=rows(act, (H, P)),
         mRingX=compact(act, (slots, cap, H, P)) if replay else None,
         mRingB=compact(act, (slots, cap, G, N)) if replay else None,
         mRingDt=compact(Float32, (slots, cap, H)) if replay else None,
-        mCursor=compact(Int32, (slots,)) if replay else None,
-        mOrigin=compact(Int32, (slots,)) if replay else None,
-        mArrivals=compact(Int32, (slots,)) if replay else None,
+        mCursor=compact(Int32, (slots,), align=4) if replay else None,
+        mOrigin=compact(Int32, (slots,), align=4) if replay else None,
+        mArrivals=compact(Int32, (slots,), align=4) if replay else None,
     )
 
 

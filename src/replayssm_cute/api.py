@@ -48,7 +48,7 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
     return t
 
 
-def _activation(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> torch.Tensor:
+def _activation(name: str, t: torch.Tensor, shape: tuple, dtype, device, aligned: bool = True) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
     if tuple(t.shape) != shape:
@@ -64,6 +64,10 @@ def _activation(name: str, t: torch.Tensor, shape: tuple, dtype, device) -> torc
     if shape[0] > 0 and tuple(t.stride()[1:]) != tuple(inner[-(len(shape) - 1):]) and t.numel() > 0:
         _fail(name, f"inner dims contiguous (strides (*, {', '.join(map(str, inner[-(len(shape) - 1):]))}))",
               f"strides {t.stride()}")
+    # Rows load as 16-byte vectors on the GPU: base and batch stride must be 16-byte aligned.
+    if aligned and device.type == "cuda" and (t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16):
+        _fail(name, "a 16-byte aligned base address and batch stride",
+              f"address {t.data_ptr():#x}, batch stride {t.stride(0)} elements")
     return t
 
 
@@ -111,7 +115,7 @@ def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_sof
         dt = dt[:, :, 0]
     if dt.dtype not in (act, torch.float32):
         _fail("dt", f"dtype {act} or torch.float32", dt.dtype)
-    dt = _activation("dt", dt, (b, H), dt.dtype, device)
+    dt = _activation("dt", dt, (b, H), dt.dtype, device, aligned=False)
     if A is None:
         _fail("A", "a tensor", None)
     A = _per_head("A", A, H, (P, N), device)

@@ -180,7 +180,7 @@ class Mamba2Cache:
         """True when window == 1: plain conventional decoding, no ring."""
         return self.window == 1
 
-    def _slot_ids(self, slot_ids, name: str = "slot_ids") -> list:
+    def _slot_ids(self, slot_ids, name: str = "slot_ids", allow_duplicates: bool = False) -> list:
         if isinstance(slot_ids, torch.Tensor):
             if slot_ids.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(slot_ids.shape)}")
@@ -197,7 +197,7 @@ class Mamba2Cache:
                 raise ValueError(f"{name} entry {s} is outside [0, num_slots={self.num_slots})")
             if self.pad_slot_id == 0 and s == 0:
                 raise ValueError(f"{name} names slot 0, which is reserved when pad_slot_id == 0")
-        if len(set(ids)) != len(ids):
+        if not allow_duplicates and len(set(ids)) != len(ids):
             raise ValueError(f"{name} names a slot more than once: {ids}")
         return ids
 
@@ -225,7 +225,7 @@ class Mamba2Cache:
 
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]], A: torch.Tensor) -> torch.Tensor:
         """Current state of each slot, float64 (n, H, P, N): checkpoint + replay of its records."""
-        ids = self._slot_ids(slot_ids)
+        ids = self._slot_ids(slot_ids, allow_duplicates=True)
         return reference.mamba2_materialize(self, ids, A)
 
     def memory_per_slot(self) -> Dict[str, int]:

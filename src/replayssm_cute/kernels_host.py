@@ -25,8 +25,8 @@ def default_mamba2_config(headdim: int, batch: int):
     if batch <= 16:
         rows = 16
     else:
-        rows = max(r for r in range(8, 65, 8) if headdim % r == 0)
-    return Mamba2Config(rows_per_cta=rows, stage_rows=8, num_warps=4)
+        rows = max(r for r in range(16, 65, 16) if headdim % r == 0)
+    return Mamba2Config(rows_per_cta=rows, num_warps=4)
 
 
 def mamba2_shape(nheads, headdim, dstate, ngroups, window, capacity, act_dtype, dt_dtype,
