@@ -114,8 +114,8 @@ class Mamba2Decode:
 
     def smem_bytes(self) -> int:
         c = self.config
-        return (c.rows_per_cta * self.shape.dstate + c.rows_per_cta * self.shape.window) * 4 \
-            + 8 * c.num_warps + 256
+        return (c.rows_per_cta * self.shape.dstate + c.rows_per_cta * self.shape.window
+                + self.shape.window) * 4 + 8 * c.num_warps + 384
 
     @cute.jit
     def __call__(
@@ -219,6 +219,7 @@ class Mamba2Decode:
             sCoefAll = smem.allocate_tensor(  # flush: w_j x_j[p] per warp, row and record
                 Float32, cute.make_layout((RW, L, W), stride=(L, 1, RW * L)), byte_alignment=16
             )
+            sBC = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)  # B_j . C
             if tidx == 0:
                 for st in cutlass.range_constexpr(W):
                     cute.arch.mbarrier_init(mbar + st, 1)
@@ -237,7 +238,14 @@ class Mamba2Decode:
             pos = (origin + lane) % cap  # ring index of this lane's record
             pos_h = (origin + h) % cap  # where this token's record goes
 
-            # The query columns and this lane's columns of every record's B_j.
+            # This lane's record over the warp's rows (one vector load), and the query columns.
+            rXa = cute.make_rmem_tensor((RW,), act)
+            rXa.fill(0.0)
+            if lane == h:
+                cute.autovec_copy(cute.local_tile(mX[row, head, None], (RW,), (p_warp // RW,)), rXa)
+            if cutlass.const_expr(L > 1):
+                if lane < h:
+                    cute.autovec_copy(cute.local_tile(mRingX[slot64, pos, head, None], (RW,), (p_warp // RW,)), rXa)
             rCa = cute.make_rmem_tensor((vec,), act)
             cute.autovec_copy(cute.local_tile(mC[row, group, None], (vec,), (lane,)), rCa)
 
@@ -266,18 +274,23 @@ class Mamba2Decode:
             coef_j = Float32(0.0)  # non-flush: w_j (B_j . C), the weight of x_j[p] in y[p]
             if cutlass.const_expr(L > 1):
                 if not flush:
-                    bc = [Float32(0.0)] * L
-                    for j in cutlass.range_constexpr(L):
-                        rBj = cute.make_rmem_tensor((vec,), act)
-                        rBj.fill(0.0)
-                        if j == h:
-                            cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBj)
-                        if j < h:
-                            cute.autovec_copy(
-                                cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)), rBj)
-                        for v in cutlass.range_constexpr(vec):
-                            bc[j] = bc[j] + rBj[v].to(Float32) * rC[v]
-                    coef_j = w_j * lane_sums(bc, lane)
+                    # B_j . C once per CTA: the warps split the records, then share through smem.
+                    for jj in cutlass.range_constexpr((L + W - 1) // W):
+                        j = jj * W + warp
+                        if j <= h:
+                            rBj = cute.make_rmem_tensor((vec,), act)
+                            if j == h:
+                                cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBj)
+                            else:
+                                cute.autovec_copy(
+                                    cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)),
+                                    rBj)
+                            part = Float32(0.0)
+                            for v in cutlass.range_constexpr(vec):
+                                part = part + rBj[v].to(Float32) * rC[v]
+                            part = warp_sum(part)
+                            if lane == 0:
+                                sBC[j] = part
                     # Append this token's B and dt (its x goes in below, with the outputs).
                     if ptile == 0 and warp == 0:
                         if head % heads_per_group == 0:
@@ -285,6 +298,9 @@ class Mamba2Decode:
                                 mRingB[slot64, pos_h, group, lane * vec + v] = mB[row, group, lane * vec + v]
                         if lane == h:
                             mRingDt[slot64, pos_h, head] = dt_j
+                    cute.arch.sync_threads()
+                    if lane <= h:
+                        coef_j = w_j * sBC[lane]
 
             D = Float32(0.0)
             if cutlass.const_expr(s.has_D):
@@ -294,15 +310,9 @@ class Mamba2Decode:
                 # Fold in place in shared memory, a few records per pass, so that no more than a
                 # chunk of B columns is ever live in registers: S = gamma S + sum_j (w_j x_j[p]) B_j.
                 sCoef = sCoefAll[None, None, warp]
-                for r in cutlass.range(RW, unroll=c.row_unroll):
-                    x_j = Float32(0.0)
-                    if lane == h:
-                        x_j = mX[row, head, p_warp + r].to(Float32)
-                    if cutlass.const_expr(L > 1):
-                        if lane < h:
-                            x_j = mRingX[slot64, pos, head, p_warp + r].to(Float32)
-                    if lane < L:
-                        sCoef[r, lane] = w_j * x_j
+                if lane < L:
+                    for r in cutlass.range_constexpr(RW):
+                        sCoef[r, lane] = w_j * rXa[r].to(Float32)
                 cute.arch.sync_warp()
                 for jc in cutlass.range(L // JC):
                     rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), act)
@@ -332,15 +342,10 @@ class Mamba2Decode:
                 cute.arch.sync_warp()
             # Output: flush rows read the folded state; others gamma (S_ckpt . C) + sum_j coef_j x_j.
             gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
-            # A runtime loop over the warp's rows keeps registers low (occupancy = bytes in flight).
-            for r in cutlass.range(RW, unroll=c.row_unroll):
+            rY = cute.make_rmem_tensor((RW,), Float32)
+            for r in cutlass.range_constexpr(RW):
                 p = p_warp + r
-                x_j = Float32(0.0)  # x of this lane's record at row p (lane h: the current token)
-                if lane == h:
-                    x_j = mX[row, head, p].to(Float32)
-                if cutlass.const_expr(L > 1):
-                    if lane < h:
-                        x_j = mRingX[slot64, pos, head, p].to(Float32)
+                x_j = rXa[r].to(Float32)  # lane h: the current token's x
                 rS = cute.make_rmem_tensor((vec,), Float32)
                 cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                 if flush:
@@ -349,24 +354,30 @@ class Mamba2Decode:
                 for v in cutlass.range_constexpr(vec):
                     part = part + rS[v] * rC[v]
                 y = warp_sum(gamma_out * part + coef_j * x_j)
-                if lane == h:  # its x_j is the current token's
-                    if cutlass.const_expr(s.has_D):
-                        y = y + D * x_j
-                    if cutlass.const_expr(s.has_z):
-                        z = mZ[row, head, p].to(Float32)
-                        y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                    mOut[row, head, p] = y.to(act)
-                    if cutlass.const_expr(L > 1):
-                        if not flush:
-                            mRingX[slot64, pos_h, head, p] = x_j.to(act)
+                if cutlass.const_expr(s.has_D):
+                    y = y + D * x_j
+                rY[r] = y
+            if lane == h:  # only its D x_j term used the current token's x
+                if cutlass.const_expr(s.has_z):
+                    rZa = cute.make_rmem_tensor((RW,), act)
+                    cute.autovec_copy(cute.local_tile(mZ[row, head, None], (RW,), (p_warp // RW,)), rZa)
+                    for r in cutlass.range_constexpr(RW):
+                        z = rZa[r].to(Float32)
+                        rY[r] = rY[r] * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                rOut = cute.make_rmem_tensor((RW,), act)
+                rOut.store(rY.load().to(act))
+                cute.autovec_copy(rOut, cute.local_tile(mOut[row, head, None], (RW,), (p_warp // RW,)))
+                if cutlass.const_expr(L > 1):
+                    if not flush:
+                        cute.autovec_copy(rXa, cute.local_tile(mRingX[slot64, pos_h, head, None],
+                                                               (RW,), (p_warp // RW,)))
 
             if cutlass.const_expr(L > 1):
-                # The last CTA of this row to finish advances the cursor: every CTA has read h by now.
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    cute.arch.fence_acq_rel_gpu()
+                # The last warp of this row to finish advances the cursor: every warp has used h by
+                # then. Per-warp arrivals need no CTA barrier; acq_rel orders the reads before.
+                if lane == 0:
                     done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
-                    if done == H * (P // R) - 1:
+                    if done == H * (P // R) * W - 1:
                         next_h = h + 1
                         if flush:
                             next_h = Int32(0)

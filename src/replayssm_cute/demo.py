@@ -1,0 +1,352 @@
+"""ReplaySSM decode demo: check against a float64 recurrence, then time it against conventional decode.
+
+    python -m replayssm_cute.demo --model nemotron-super [--batch 8] [--window 16] [--windows 3] [--tp 1]
+
+On a CUDA GPU: two caches of one layer (conventional, window 1; ReplaySSM, window L) get the same
+random prefill states; rows are staggered over ring positions (row r starts at h = r mod L, by
+r mod L warm-up steps in which the rows not yet due are padding); then --windows full windows run
+on both caches. Every step's outputs of both kernels are checked against the float64 plain
+recurrence, and the states are checked after flushes and at the end. Then both kernels are timed
+(a CUDA graph of L steps, each step over several slot sets so the pool of >= 512 MiB cannot stay
+in L2; the median over replays) and reported per step with their bandwidth on ideal bytes.
+
+Without a GPU: the same staggered check runs on CPU caches through `replayssm_cute.decode` (the
+PyTorch reference path, float32 cache so the check is tight) at batch 2, then the model's kernels
+are compiled for $CUTE_DSL_ARCH (default sm_90a), each with its compile time.
+
+Exit status: 0 when every check passes, 1 when a check fails, 2 on bad arguments or an
+unsupported model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+ROTATION_BYTES = 512 << 20  # state bytes each timed step rotates over: far above the 60 MB L2
+OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-5}  # relative L2, outputs
+STATE_TOL = 2e-5  # relative L2, fp32 states against the float64 recurrence
+
+
+# --------------------------------------------------------------------------------------- checks
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def staggered_check(model, batch: int, window: int, windows: int, dtype, device, seed: int = 0) -> dict:
+    """Run the staggered multi-window check on a conventional and a ReplaySSM cache.
+
+    Returns the worst errors seen and ``failures`` (a list of strings, empty when all passed).
+    """
+    import torch
+
+    from . import reference
+    from .api import decode
+    from .cache import Mamba2Cache
+
+    H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    caches = {
+        "conventional": Mamba2Cache(batch, H, P, N, G, window=1, dtype=dtype, device=dev),
+        "replayssm": Mamba2Cache(batch, H, P, N, G, window=window, dtype=dtype, device=dev),
+    }
+    slots = torch.randperm(batch, generator=gen, device=dev).to(torch.int32)
+    init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
+    for c in caches.values():
+        c.load_prefill(slots, init)
+    ref_state = init.double()
+    A = -(1.0 + torch.rand(H, generator=gen, device=dev))
+    dt_bias = -4.0 + torch.rand(H, generator=gen, device=dev)
+    D = torch.randn(H, generator=gen, device=dev)
+
+    out_tol = OUT_TOL[str(dtype).replace("torch.", "")]
+    rows = torch.arange(batch, device=dev)
+    sidx = slots.long()
+    warm = window - 1
+    res = {"out_err": {k: 0.0 for k in caches}, "flush_err": 0.0, "flushes": 0,
+           "conv_state_err": 0.0, "final_err": {}, "steps": warm + windows * window, "failures": [],
+           "failed": 0}
+    fails = res["failures"]
+
+    def fail(msg):
+        res["failed"] += 1
+        if len(fails) < 8:  # the first few are enough to see what went wrong
+            fails.append(msg)
+
+    for step in range(res["steps"]):
+        # Warm-up step k < L-1: rows with r % L <= k are padding, so row r ends up at h = r % L.
+        live = (rows % window) > step if step < warm else torch.ones_like(rows, dtype=torch.bool)
+        step_slots = torch.where(live, slots, torch.full_like(slots, -1))
+        x = torch.randn(batch, H, P, generator=gen, device=dev).to(dtype)
+        dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(dtype)
+        B = torch.randn(batch, G, N, generator=gen, device=dev).to(dtype)
+        C = torch.randn(batch, G, N, generator=gen, device=dev).to(dtype)
+        h_before = caches["replayssm"].cursor[sidx].clone()
+        fill = torch.randn(batch, H, P, generator=gen, device=dev).to(dtype)
+        outs = {}
+        for name, c in caches.items():
+            outs[name] = fill.clone()
+            decode(c, x, dt, A, B, C, step_slots, D=D, dt_bias=dt_bias, dt_softplus=True, out=outs[name])
+        y_ref, new_state = reference.mamba2_conventional_step(ref_state, x, dt, A, B, C, D=D,
+                                                              dt_bias=dt_bias, dt_softplus=True)
+        ref_state[live] = new_state[live]
+        for name, out in outs.items():
+            e = _rel(out[live], y_ref[live])
+            res["out_err"][name] = max(res["out_err"][name], e)
+            if not e < out_tol:
+                fail(f"step {step}: {name} outputs off by {e:.2e} (tolerance {out_tol:.0e})")
+            if not torch.equal(out[~live], fill[~live]):
+                fail(f"step {step}: {name} wrote the outputs of padding rows")
+        e = _rel(caches["conventional"].checkpoint[sidx][live], ref_state[live])
+        res["conv_state_err"] = max(res["conv_state_err"], e)
+        if not e < STATE_TOL:
+            fail(f"step {step}: conventional state off by {e:.2e}")
+        flushed = live & (h_before + 1 == window)
+        if flushed.any():
+            res["flushes"] += int(flushed.sum())
+            e = _rel(caches["replayssm"].checkpoint[sidx][flushed], ref_state[flushed])
+            res["flush_err"] = max(res["flush_err"], e)
+            if not e < STATE_TOL:
+                fail(f"step {step}: ReplaySSM checkpoint after flush off by {e:.2e}")
+    for name, c in caches.items():
+        e = _rel(c.materialize(slots, A), ref_state)
+        res["final_err"][name] = e
+        if not e < STATE_TOL:
+            fail(f"end: {name} state (materialized) off by {e:.2e}")
+    res["out_tol"] = out_tol
+    return res
+
+
+def _print_check(res, batch, window, windows, dtype_name) -> None:
+    print(f"check: batch {batch}, {dtype_name} activations, {window - 1} staggered warm-up steps + "
+          f"{windows} windows of {window} = {res['steps']} steps, against the float64 recurrence")
+    print(f"  outputs, max relative L2 error: conventional {res['out_err']['conventional']:.2e}, "
+          f"ReplaySSM {res['out_err']['replayssm']:.2e} (tolerance {res['out_tol']:.0e})")
+    print(f"  states:  conventional every step {res['conv_state_err']:.2e}; ReplaySSM checkpoint "
+          f"after {res['flushes']} row flushes {res['flush_err']:.2e}; at the end (materialized) "
+          f"conventional {res['final_err']['conventional']:.2e}, ReplaySSM "
+          f"{res['final_err']['replayssm']:.2e} (tolerance {STATE_TOL:.0e})")
+    for f in res["failures"]:
+        print(f"  FAILED: {f}")
+    if res["failed"] > len(res["failures"]):
+        print(f"  ... {res['failed'] - len(res['failures'])} more failed checks")
+
+
+# --------------------------------------------------------------------------------------- GPU
+
+
+class _TimingPool:
+    """One cache at one window, rows over nsets slot sets whose states total >= 512 MiB."""
+
+    def __init__(self, model, batch, window, dev, gen):
+        import torch
+
+        from .cache import Mamba2Cache
+
+        H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
+        self.window = window
+        self.nsets = max(2, math.ceil(ROTATION_BYTES / (batch * H * P * N * 4)))
+        slots = self.nsets * batch
+        bf = torch.bfloat16
+        self.cache = Mamba2Cache(slots, H, P, N, G, window=window, dtype=bf, device=dev)
+        self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
+        if window > 1:
+            self.cache.ring_x.normal_(generator=gen)
+            self.cache.ring_B.normal_(generator=gen)
+            self.cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
+            # Staggered: row r of every set starts at h = r % L.
+            self.cache.cursor.copy_(torch.arange(slots, device=dev) % batch % window)
+        self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
+                     for i in range(self.nsets)]
+        self.A = -(1.0 + torch.rand(H, generator=gen, device=dev))
+        self.dt_bias = -4.0 + torch.rand(H, generator=gen, device=dev)
+        self.D = torch.randn(H, generator=gen, device=dev)
+        self.x = torch.randn(batch, H, P, generator=gen, device=dev).to(bf)
+        self.dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(bf)
+        self.B = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.C = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.out = torch.empty(batch, H, P, dtype=bf, device=dev)
+
+    def fn(self, steps):
+        from .api import decode
+
+        def run():
+            for _ in range(steps):
+                for ids in self.sets:
+                    decode(self.cache, self.x, self.dt, self.A, self.B, self.C, ids, D=self.D,
+                           dt_bias=self.dt_bias, dt_softplus=True, out=self.out)
+        return run, steps * self.nsets
+
+
+def _gpu_demo(model, shard, args) -> int:
+    import torch
+
+    from .cache import Mamba2Cache
+    from .compile_cache import target_arch
+    from .kernels_host import mamba2_decode_kernel
+    from .perf import ideal_bytes, time_graph
+
+    L, batch = args.window, args.batch
+    dev = torch.device("cuda")
+    print(f"GPU: {torch.cuda.get_device_name(dev)}; kernels for {target_arch()}")
+    for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
+        probe = Mamba2Cache(1, shard.nheads, shard.headdim, shard.dstate, shard.ngroups, window=w,
+                            dtype=torch.bfloat16, device=dev)
+        t0 = time.perf_counter()
+        mamba2_decode_kernel(probe, torch.bfloat16, True, False, True, True, batch)
+        print(f"  {name:18s} kernel ready in {time.perf_counter() - t0:5.1f} s "
+              f"(compiled, or loaded from the disk cache)")
+        del probe
+
+    res = staggered_check(shard, batch, L, args.windows, torch.bfloat16, dev, seed=args.seed)
+    _print_check(res, batch, L, args.windows, "bf16")
+    torch.cuda.empty_cache()
+
+    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    ideal = ideal_bytes(shard, batch, L)
+    timings = {}
+    for w, key in ((1, "conventional"), (L, "window_mean")):
+        pool = _TimingPool(shard, batch, w, dev, gen)
+        fn, launches = pool.fn(L)
+        nsets = pool.nsets
+        timings[key] = time_graph(fn, launches, replays=args.replays)
+        del pool, fn
+        torch.cuda.empty_cache()
+    pool_mib = nsets * batch * shard.nheads * shard.headdim * shard.dstate * 4 / 2**20
+    print(f"timing: CUDA graph of {L} steps, each over {nsets} slot sets of {batch} rows "
+          f"({pool_mib:.0f} MiB of states), median of {args.replays} replays, CUDA events")
+    t_conv, t_rep = timings["conventional"], timings["window_mean"]
+    bw_conv = ideal["conventional"] / (t_conv * 1e-6) / 1e12
+    bw_rep = ideal["window_mean"] / (t_rep * 1e-6) / 1e12
+    print(f"  conventional             {t_conv:9.2f} us/step  {bw_conv:5.2f} TB/s on ideal bytes")
+    print(f"  ReplaySSM (window mean)  {t_rep:9.2f} us/step  {bw_rep:5.2f} TB/s on ideal bytes")
+    print(f"  ReplaySSM is {t_conv / t_rep:.2f}x the speed of conventional decoding "
+          f"(conventional / ReplaySSM time)")
+    if res["failures"]:
+        print(f"summary: CHECKS FAILED ({res['failed']} failed checks); "
+              f"ReplaySSM {t_rep:.2f} us vs conventional {t_conv:.2f} us per step")
+        return 1
+    print(f"summary: all checks passed; {shard.name} batch {batch}, L={L}: ReplaySSM {t_rep:.2f} us "
+          f"vs conventional {t_conv:.2f} us per step per layer ({t_conv / t_rep:.2f}x)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- CPU
+
+
+def _cpu_demo(model, shard, args) -> int:
+    arch = os.environ.get("CUTE_DSL_ARCH") or "sm_90a"
+    if "cutlass" not in sys.modules:
+        os.environ["CUTE_DSL_ARCH"] = arch
+    elif os.environ.get("CUTE_DSL_ARCH") != arch:
+        print("demo: cutlass was imported before CUTE_DSL_ARCH could be set; set it yourself",
+              file=sys.stderr)
+        return 2
+    print(f"no CUDA GPU found: running the PyTorch reference path on the CPU and compiling the "
+          f"kernels for {arch} (CUTE_DSL_ARCH, default sm_90a)")
+    from .compile_cache import SUPPORTED_ARCHS
+
+    if arch not in SUPPORTED_ARCHS:
+        print(f"demo: CUTE_DSL_ARCH={arch!r} is not supported; use one of {', '.join(SUPPORTED_ARCHS)}",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    L = args.window
+    batch = min(args.batch, 2)
+    t0 = time.perf_counter()
+    res = staggered_check(shard, batch, L, args.windows, torch.float32, "cpu", seed=args.seed)
+    _print_check(res, batch, L, args.windows, "fp32")
+    print(f"  (reference path, {time.perf_counter() - t0:.1f} s)")
+
+    from .kernels_host import compile_mamba2
+    from .precompile import mamba2_variants
+
+    variants = mamba2_variants(shard, L, ["bf16"])
+    print(f"compile: {len(variants)} kernels for {arch} (compiled, or loaded from the disk cache; "
+          f"not run without a GPU)")
+    compile_failures = []
+    t_all = time.perf_counter()
+    for label, shape, cfg in variants:
+        t1 = time.perf_counter()
+        try:
+            compile_mamba2(shape, cfg)
+        except Exception as e:  # report every kernel, then fail
+            compile_failures.append(label)
+            print(f"  {label:40s} FAILED: {type(e).__name__}: {e}")
+            continue
+        print(f"  {label:40s} {time.perf_counter() - t1:6.1f} s")
+    print(f"  total {time.perf_counter() - t_all:.1f} s")
+    if res["failures"] or compile_failures:
+        what = []
+        if res["failures"]:
+            what.append(f"{res['failed']} failed checks")
+        if compile_failures:
+            what.append(f"{len(compile_failures)} kernels failed to compile")
+        print(f"summary: FAILED ({', '.join(what)})")
+        return 1
+    print(f"summary: all checks passed on the CPU reference path; {len(variants)} kernels compiled "
+          f"for {arch}. Run on a GPU to check and time the kernels themselves.")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    from .models import MODELS, get_model
+
+    ap = argparse.ArgumentParser(prog="python -m replayssm_cute.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help=f"one of: {', '.join(MODELS)}")
+    ap.add_argument("--batch", type=int, default=8, help="decode rows (default 8; 2 on the CPU)")
+    ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L >= 2 (default 16)")
+    ap.add_argument("--windows", type=int, default=3, help="full windows to check (default 3)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one shard's heads")
+    ap.add_argument("--replays", type=int, default=15, help="timed graph replays (GPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    for name, low in (("batch", 1), ("window", 2), ("windows", 1), ("tp", 1), ("replays", 1)):
+        if getattr(args, name) < low:
+            ap.error(f"--{name} must be >= {low}")
+
+    try:
+        model = get_model(args.model)
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+    if model.layer != "mamba2":
+        mamba2 = ", ".join(m.name for m in MODELS.values() if m.layer == "mamba2")
+        print(f"demo: {model.name} is a {model.layer} model; only Mamba-2 (mamba2) models are "
+              f"supported so far. Try one of: {mamba2}", file=sys.stderr)
+        return 2
+    try:
+        shard = model.shard(args.tp)
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    t0 = time.perf_counter()
+    print(f"{model.name}, tp {args.tp}: Mamba-2 layer shard H={shard.nheads} P={shard.headdim} "
+          f"N={shard.dstate} G={shard.ngroups} ({model.num_layers} SSM layers); state "
+          f"{shard.nheads * shard.headdim * shard.dstate * 4 / 2**20:.1f} MiB per sequence per layer; "
+          f"window L={args.window}")
+    if torch.cuda.is_available():
+        rc = _gpu_demo(model, shard, args)
+    else:
+        rc = _cpu_demo(model, shard, args)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
