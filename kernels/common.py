@@ -28,39 +28,6 @@ def warp_sum(val: Float32) -> Float32:
     return val
 
 
-def lane_sums(vals: list, lane: Int32) -> Float32:
-    """Sum each of len(vals) per-lane values over the warp; lane j returns the sum of vals[j].
-
-    A butterfly reduce-scatter: every halving step trades the half a lane does not keep with its
-    partner, so n values cost about n shuffles instead of 5n for n separate warp sums. len(vals)
-    must be a power of two dividing 32 after padding (at most 32). Lanes >= len(vals) return the
-    sum of vals[lane % len(vals)].
-    """
-    n = 1
-    while n < len(vals):
-        n *= 2
-    assert n <= 32, "lane_sums takes at most 32 values"
-    vals = list(vals) + [Float32(0.0)] * (n - len(vals))
-    offset = 16
-    while len(vals) > 1:
-        half = len(vals) // 2
-        upper = (lane & offset) != 0
-        kept = []
-        for i in range(half):
-            send = cutlass.select_(upper, vals[i], vals[i + half])
-            keep = cutlass.select_(upper, vals[i + half], vals[i])
-            kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=offset))
-        vals = kept
-        offset //= 2
-    total = vals[0]
-    while offset >= 1:
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
-        offset //= 2
-    # Lane l now holds the sum for record l >> (5 - log2 n): fetch ours from there.
-    shift = 5 - (n.bit_length() - 1)
-    return cute.arch.shuffle_sync(total, (lane % n) << shift)
-
-
 def make_row_tma(m_rows: cute.Tensor, box_rows: int, box_cols: int):
     """TMA atom loading (box_rows, box_cols) boxes of a row-major 2-D gmem view.
 

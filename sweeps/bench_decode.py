@@ -32,20 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import replayssm_cute as rs  # noqa: E402
 from replayssm_cute.models import get_model  # noqa: E402
+from replayssm_cute.perf import ideal_bytes, time_graph  # noqa: E402
 
 ROTATION_BYTES = 512 << 20
-CONFIG_ROWS = (16, 32, 40, 64, 80)
 
 
-def candidate_configs(P: int, batch: int):
+def candidate_configs(model, batch: int):
+    """The launch configs each kernel is timed at (its best is reported): small tiles at batch
+    <= 16, where more CTAs per row hide latency; larger tiles and fewer warps above."""
     from replayssm_cute.kernels.mamba2.decode import Mamba2Config
 
-    out = []
-    for r in CONFIG_ROWS:
-        for w in (2, 4):
-            if P % r == 0 and r % (4 * w) == 0 and (batch > 16 or r <= 32):
-                out.append(Mamba2Config(rows_per_cta=r, num_warps=w))
-    return out
+    P = model.headdim
+    if batch <= 16:
+        grid = [(16, 4), (32, 4)]
+    else:
+        grid = [(16, 4), (32, 2), (64, 4), (40, 2), (80, 4)]
+    return [Mamba2Config(rows_per_cta=r, num_warps=w) for r, w in grid if P % r == 0]
 
 
 def _compile_one(args):
@@ -63,31 +65,6 @@ def precompile_parallel(jobs, workers):
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         list(pool.map(_compile_one, jobs))
-
-
-def time_graph(fn, launches_per_replay: int, replays: int = 15) -> float:
-    """Median microseconds per launch over replays of a graph that calls fn() once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches_per_replay)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -108,7 +85,6 @@ def copy_bandwidth() -> float:
         times.append(a.elapsed_time(b) * 1e3 / 5)
     us_memcpy = sorted(times)[len(times) // 2]
     us_kernel = time_graph(lambda: [torch.mul(src, 1.0, out=dst) for _ in range(5)], 5, replays=9)
-    del src, dst
     return 2 * n * 4 / (min(us_memcpy, us_kernel) * 1e-6)
 
 
@@ -163,20 +139,6 @@ class Setup:
         return fn, self.nsets
 
 
-def ideal_bytes(model, batch, window):
-    H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
-    S = H * P * N * 4
-    e = H * P * 2 + G * N * 2 + H * 4
-    act = 2 * H * P * 2 + 2 * G * N * 2 + H * 2
-    L = window
-    return dict(
-        conventional=batch * (2 * S + act),
-        window_mean=batch * (S + S / L + e * (L - 1) / 2 + e * (L - 1) / L + act),
-        flush=batch * (2 * S + (L - 1) * e + act),
-        nonflush_mean=batch * (S + e * (L - 2) / 2 + e + act),
-    )
-
-
 def best(fn_factory, configs):
     results = []
     for cfg in configs:
@@ -201,7 +163,7 @@ def main(argv=None):
     models = [get_model(m) for m in args.models.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     L = args.window
-    jobs = {(m, w, c) for m in models for b in batches for w in (1, L) for c in candidate_configs(m.headdim, b)}
+    jobs = {(m, w, c) for m in models for b in batches for w in (1, L) for c in candidate_configs(m, b)}
     precompile_parallel(sorted(jobs, key=repr), args.workers)
 
     bw = copy_bandwidth()
@@ -209,7 +171,7 @@ def main(argv=None):
     rows = []
     for m in models:
         for b in batches:
-            cfgs = candidate_configs(m.headdim, b)
+            cfgs = candidate_configs(m, b)
             ideal = ideal_bytes(m, b, L)
             conv = Setup(m, b, 1)
             t_conv, c_conv = best(conv.window_fn, cfgs)
@@ -236,15 +198,14 @@ def main(argv=None):
             rec["speedup_mean_vs_conv"] = t_conv / t_mean
             rec["staggered_vs_aligned"] = t_stag / t_mean
             rows.append(rec)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_csv(args.out, index=False)  # after every row: partial runs count
             print(f"{m.name:18s} b={b:4d} conv {t_conv:8.1f}us ({rec['conventional_frac_copy']:.1%}) "
                   f"replay mean {t_mean:8.1f}us ({rec['window_mean_frac_copy']:.1%}) "
                   f"stag {t_stag:8.1f}us ({rec['staggered_frac_copy']:.1%}) "
                   f"flush {t_flush:8.1f}us ({rec['flush_frac_copy']:.1%}) "
                   f"nonflush {t_nonflush:8.1f}us ({rec['nonflush_mean_frac_copy']:.1%}) "
                   f"speedup {rec['speedup_mean_vs_conv']:.2f}x", flush=True)
-    df = pd.DataFrame(rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out, index=False)
     print(f"wrote {args.out}")
     return 0
 

@@ -8,9 +8,9 @@ current token alone, which is exactly the conventional load-update-store step, s
 ReplaySSM share one code path and one set of launch parameters.
 
 Grid: (headdim // rows_per_cta, nheads, batch). A CTA owns rows [p0, p0 + rows_per_cta) of one
-head's (P, N) state for one batch row; warp w handles rows w, w + num_warps, ...; each lane holds
-N / 32 consecutive elements of a state row. The checkpoint tile is streamed with TMA
-(cp.async.bulk.tensor), all stages issued up front.
+head's (P, N) state for one batch row; warp w owns the consecutive rows_per_cta / num_warps rows
+that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); each lane holds
+N / 32 consecutive elements of a state row. The last warp of a row to finish advances its cursor.
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -42,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, lane_sums, make_row_tma, softplus, warp_sum
+from ..common import issue_tile_loads, make_row_tma, softplus, warp_sum
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,13 @@ class Mamba2Config:
     rows_per_cta: int = 16
     num_warps: int = 4
     min_ctas_per_sm: int = 0  # > 0 caps registers so this many CTAs fit on an SM
-    row_unroll: int = 2
 
     @property
     def rows_per_warp(self) -> int:
         return self.rows_per_cta // self.num_warps
 
     def key(self):
-        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm, self.row_unroll)
+        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         """None if valid for `shape`, else the reason."""
@@ -95,8 +94,8 @@ class Mamba2Config:
             return f"rows_per_cta {self.rows_per_cta} does not divide headdim {P}"
         if self.rows_per_cta % self.num_warps:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
-        if self.rows_per_warp > 256:
-            return "rows per warp above the TMA box limit of 256"
+        if self.rows_per_warp > 32:
+            return "more than 32 rows per warp (a lane per row in the fold)"
         if shape.window > 32:
             return "window above 32 (one lane per record)"
         return None
@@ -114,8 +113,8 @@ class Mamba2Decode:
 
     def smem_bytes(self) -> int:
         c = self.config
-        return (c.rows_per_cta * self.shape.dstate + c.rows_per_cta * self.shape.window
-                + self.shape.window) * 4 + 8 * c.num_warps + 384
+        return (c.rows_per_cta * self.shape.dstate + self.shape.window) * 4 \
+            + 8 * c.num_warps + 384
 
     @cute.jit
     def __call__(
@@ -182,11 +181,10 @@ class Mamba2Decode:
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
     ):
-        # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each); lane j
-        # owns record j (dt_j, w_j, B_j . C and x_j over the warp's rows, one vector load); lanes
-        # also split each state row's N columns. One butterfly sum per row then yields
-        # gamma (S_ckpt[p] . C) + sum_j w_j (B_j . C) x_j[p]; a flush broadcasts w_j x_j[p] by
-        # shuffles. No CTA barrier between the TMA issue and the cursor update.
+        # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each). Lane j
+        # owns record j's scalars (dt_j, its decay weight w_j, w_j (B_j . C)); lane r owns row
+        # p_warp + r's terms (x, the ring sum, the output); all lanes split each state row's N
+        # columns for S . C. Records and rows meet through shuffles, never local memory.
         s, c = self.shape, self.config
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
@@ -216,9 +214,6 @@ class Mamba2Decode:
                 Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
             )
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
-            sCoefAll = smem.allocate_tensor(  # flush: w_j x_j[p] per warp, row and record
-                Float32, cute.make_layout((RW, L, W), stride=(L, 1, RW * L)), byte_alignment=16
-            )
             sBC = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)  # B_j . C
             if tidx == 0:
                 for st in cutlass.range_constexpr(W):
@@ -238,14 +233,10 @@ class Mamba2Decode:
             pos = (origin + lane) % cap  # ring index of this lane's record
             pos_h = (origin + h) % cap  # where this token's record goes
 
-            # This lane's record over the warp's rows (one vector load), and the query columns.
-            rXa = cute.make_rmem_tensor((RW,), act)
-            rXa.fill(0.0)
-            if lane == h:
-                cute.autovec_copy(cute.local_tile(mX[row, head, None], (RW,), (p_warp // RW,)), rXa)
-            if cutlass.const_expr(L > 1):
-                if lane < h:
-                    cute.autovec_copy(cute.local_tile(mRingX[slot64, pos, head, None], (RW,), (p_warp // RW,)), rXa)
+            # Lane r < RW owns state row p_warp + r for the per-row terms (loads coalesce).
+            lr = lane % RW
+            x_raw = mX[row, head, p_warp + lr]
+            x_cur = x_raw.to(Float32)
             rCa = cute.make_rmem_tensor((vec,), act)
             cute.autovec_copy(cute.local_tile(mC[row, group, None], (vec,), (lane,)), rCa)
 
@@ -272,6 +263,7 @@ class Mamba2Decode:
             rC = cute.make_rmem_tensor((vec,), Float32)
             rC.store(rCa.load().to(Float32))
             coef_j = Float32(0.0)  # non-flush: w_j (B_j . C), the weight of x_j[p] in y[p]
+            ring_term = Float32(0.0)
             if cutlass.const_expr(L > 1):
                 if not flush:
                     # B_j . C once per CTA: the warps split the records, then share through smem.
@@ -301,6 +293,12 @@ class Mamba2Decode:
                     cute.arch.sync_threads()
                     if lane <= h:
                         coef_j = w_j * sBC[lane]
+                    # sum_j w_j (B_j . C) x_j[p] for this lane's row: coef_j by shuffle from lane j.
+                    ring_term = cute.arch.shuffle_sync(coef_j, h) * x_cur
+                    for j in cutlass.range_constexpr(L - 1):
+                        coef = cute.arch.shuffle_sync(coef_j, j)
+                        if j < h:
+                            ring_term = ring_term + coef * mRingX[slot64, (origin + j) % cap, head, p_warp + lr].to(Float32)
 
             D = Float32(0.0)
             if cutlass.const_expr(s.has_D):
@@ -309,68 +307,62 @@ class Mamba2Decode:
             if flush:
                 # Fold in place in shared memory, a few records per pass, so that no more than a
                 # chunk of B columns is ever live in registers: S = gamma S + sum_j (w_j x_j[p]) B_j.
-                sCoef = sCoefAll[None, None, warp]
-                if lane < L:
-                    for r in cutlass.range_constexpr(RW):
-                        sCoef[r, lane] = w_j * rXa[r].to(Float32)
-                cute.arch.sync_warp()
                 for jc in cutlass.range(L // JC):
+                    # Lane r < RW forms w_j x_j[p_r] for this pass's records (a coalesced load per
+                    # record), so the row loop below can stay a runtime loop: coef by shuffle.
                     rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), act)
+                    rCoef = cute.make_rmem_tensor((JC,), Float32)
                     for jj in cutlass.range_constexpr(JC):
                         j = jc * JC + jj
+                        w = cute.arch.shuffle_sync(w_j, j)
                         if cutlass.const_expr(L == 1):
                             cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
+                            rCoef[jj] = w * x_cur
                         else:
                             if j == L - 1:
                                 cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
+                                rCoef[jj] = w * x_cur
                             else:
                                 cute.autovec_copy(
                                     cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)),
                                     rBc[jj, None])
+                                rCoef[jj] = w * mRingX[slot64, (origin + j) % cap, head, p_warp + lr].to(Float32)
                     scale = cutlass.select_(jc == 0, gamma, Float32(1.0))
-                    for r in cutlass.range(RW, unroll=c.row_unroll):
+                    for r in cutlass.range(RW, unroll=2):
                         tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         cute.autovec_copy(tS, rS)
                         for v in cutlass.range_constexpr(vec):
                             rS[v] = scale * rS[v]
                         for jj in cutlass.range_constexpr(JC):
-                            coef = sCoef[r, jc * JC + jj]
+                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
                             for v in cutlass.range_constexpr(vec):
                                 rS[v] = rS[v] + coef * rBc[jj, v].to(Float32)
                         cute.autovec_copy(rS, tS)
                 cute.arch.sync_warp()
             # Output: flush rows read the folded state; others gamma (S_ckpt . C) + sum_j coef_j x_j.
             gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
-            rY = cute.make_rmem_tensor((RW,), Float32)
-            for r in cutlass.range_constexpr(RW):
-                p = p_warp + r
-                x_j = rXa[r].to(Float32)  # lane h: the current token's x
+            y_row = Float32(0.0)  # lane r: S[p_r] . C
+            for r in cutlass.range(RW, unroll=2):
                 rS = cute.make_rmem_tensor((vec,), Float32)
                 cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                 if flush:
-                    cute.autovec_copy(rS, cute.local_tile(mCheckpoint[slot64, head, p, None], (vec,), (lane,)))
+                    cute.autovec_copy(rS, cute.local_tile(mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
                 part = Float32(0.0)
                 for v in cutlass.range_constexpr(vec):
                     part = part + rS[v] * rC[v]
-                y = warp_sum(gamma_out * part + coef_j * x_j)
+                y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
+            if lane < RW:
+                y = gamma_out * y_row + ring_term
                 if cutlass.const_expr(s.has_D):
-                    y = y + D * x_j
-                rY[r] = y
-            if lane == h:  # only its D x_j term used the current token's x
+                    y = y + D * x_cur
                 if cutlass.const_expr(s.has_z):
-                    rZa = cute.make_rmem_tensor((RW,), act)
-                    cute.autovec_copy(cute.local_tile(mZ[row, head, None], (RW,), (p_warp // RW,)), rZa)
-                    for r in cutlass.range_constexpr(RW):
-                        z = rZa[r].to(Float32)
-                        rY[r] = rY[r] * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                rOut = cute.make_rmem_tensor((RW,), act)
-                rOut.store(rY.load().to(act))
-                cute.autovec_copy(rOut, cute.local_tile(mOut[row, head, None], (RW,), (p_warp // RW,)))
+                    z = mZ[row, head, p_warp + lane].to(Float32)
+                    y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                mOut[row, head, p_warp + lane] = y.to(act)
                 if cutlass.const_expr(L > 1):
                     if not flush:
-                        cute.autovec_copy(rXa, cute.local_tile(mRingX[slot64, pos_h, head, None],
-                                                               (RW,), (p_warp // RW,)))
+                        mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
 
             if cutlass.const_expr(L > 1):
                 # The last warp of this row to finish advances the cursor: every warp has used h by

@@ -45,6 +45,8 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
         t = t[(slice(None),) + (0,) * len(trailing)]
     if tuple(t.shape) != (H,):
         _fail(name, f"shape ({H},)", tuple(t.shape))
+    if H > 1 and t.stride(0) != 1:
+        _fail(name, "one value per head, packed (head stride 1)", f"strides {t.stride()}")
     return t
 
 
@@ -136,7 +138,7 @@ def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_sof
         out = _activation("out", out, (b, H, P), act, device)
     if not isinstance(dt_softplus, bool):
         _fail("dt_softplus", "a bool", type(dt_softplus).__name__)
-    if debug_enabled() and not torch.cuda.is_current_stream_capturing():
+    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_slots(cache, slot_ids)
     if b == 0:
         return out

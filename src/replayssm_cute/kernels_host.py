@@ -18,15 +18,19 @@ def cute_dtype(dtype: torch.dtype):
     return getattr(cutlass, _CUTE_DTYPE_NAMES[dtype])
 
 
-def default_mamba2_config(headdim: int, batch: int):
-    """Small tiles at small batch (more CTAs in flight per row), whole-ish heads at large batch."""
+def default_mamba2_config(headdim: int, batch: int, window: int):
+    """Best measured on the H200 (sweeps/bench_decode.py): small tiles at batch <= 16, where more
+    CTAs per row hide latency; at larger batch long warps (16-20 rows) so the per-CTA ring work
+    is amortised, with 2 warps for the conventional step."""
     from .kernels.mamba2.decode import Mamba2Config
 
     if batch <= 16:
-        rows = 16
-    else:
-        rows = max(r for r in range(16, 65, 16) if headdim % r == 0)
-    return Mamba2Config(rows_per_cta=rows, num_warps=4)
+        return Mamba2Config(rows_per_cta=16, num_warps=4)
+    choices = [(64, 4), (40, 2), (32, 2)] if window > 1 else [(32, 2), (40, 2)]
+    for rows, warps in choices:
+        if headdim % rows == 0:
+            return Mamba2Config(rows_per_cta=rows, num_warps=warps)
+    return Mamba2Config(rows_per_cta=16, num_warps=4)
 
 
 def mamba2_shape(nheads, headdim, dstate, ngroups, window, capacity, act_dtype, dt_dtype,
@@ -56,6 +60,10 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
         shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
                              cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
                              dt_softplus, cache.pad_slot_id)
-        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch)
+        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch, cache.window)
+        reason = cfg.check(shape)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
         kernel = _fast[fast_key] = compile_mamba2(shape, cfg)
     return kernel

@@ -32,7 +32,7 @@ def mamba2_variants(model, window: int, dtypes, with_z: bool = False, pad_slot_i
         for L in sorted({1, window}):
             shape = mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
                                  dtype, dtype, True, with_z, True, True, pad_slot_id)
-            configs = {default_mamba2_config(model.headdim, b) for b in (1, 1024)}
+            configs = {default_mamba2_config(model.headdim, b, L) for b in (1, 1024)}
             for cfg in sorted(configs, key=lambda c: c.key()):
                 mode = "conventional" if L == 1 else f"replay_L{L}"
                 label = f"mamba2_{mode}_{dname}_rows{cfg.rows_per_cta}"
@@ -62,8 +62,11 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in _DTYPES:
             parser.error(f"--dtypes: unknown dtype {d!r}; use {', '.join(_DTYPES)}")
-    if args.window < 2:
-        parser.error("--window must be >= 2 (window 1 is the conventional kernel, always built)")
+    if not dtypes:
+        parser.error("--dtypes: give at least one of " + ", ".join(_DTYPES))
+    if not 2 <= args.window <= 32:
+        parser.error("--window must be in 2..32 (window 1 is the conventional kernel, always built; "
+                     "the kernel keeps one record per lane)")
     if model.layer != "mamba2":
         parser.error(f"{model.name} is a {model.layer} model; its kernels are not in this release yet")
     if args.arch:
