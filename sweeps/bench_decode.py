@@ -20,7 +20,6 @@ Per (model, batch) it reports, each kernel at the best of a small set of launch 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -30,11 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import replayssm_cute as rs  # noqa: E402
 from replayssm_cute.models import get_model  # noqa: E402
-from replayssm_cute.perf import ideal_bytes, time_graph  # noqa: E402
+from replayssm_cute.perf import DecodePool, ideal_bytes, time_graph  # noqa: E402
 
-ROTATION_BYTES = 512 << 20
 
 
 def candidate_configs(model, batch: int):
@@ -88,57 +85,6 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (min(us_memcpy, us_kernel) * 1e-6)
 
 
-class Setup:
-    """One pool at one model shape and batch, with rotating slot sets and fixed random inputs."""
-
-    def __init__(self, model, batch, window, stagger=False, seed=0):
-        H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
-        self.model, self.batch, self.window = model, batch, window
-        self.state_bytes = H * P * N * 4
-        self.nsets = max(2, math.ceil(ROTATION_BYTES / (batch * self.state_bytes)))
-        slots = self.nsets * batch
-        dev = torch.device("cuda")
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        self.cache = rs.Mamba2Cache(slots, H, P, N, G, window=window, dtype=torch.bfloat16, device=dev)
-        self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
-        if window > 1:
-            self.cache.ring_x.normal_(generator=gen)
-            self.cache.ring_B.normal_(generator=gen)
-            self.cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
-            if stagger:
-                r = torch.arange(slots, device=dev) % batch
-                self.cache.cursor.copy_((r % window).int())
-        self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
-                     for i in range(self.nsets)]
-        self.A = -(1 + torch.rand(H, generator=gen, device=dev))
-        self.dt_bias = -4 + torch.rand(H, generator=gen, device=dev)
-        self.D = torch.randn(H, generator=gen, device=dev)
-        bf = torch.bfloat16
-        self.x = torch.randn(batch, H, P, generator=gen, device=dev).to(bf)
-        self.dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(bf)
-        self.B = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
-        self.C = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
-        self.out = torch.empty(batch, H, P, dtype=bf, device=dev)
-
-    def step(self, slot_ids, config):
-        rs.decode(self.cache, self.x, self.dt, self.A, self.B, self.C, slot_ids, D=self.D,
-                  dt_bias=self.dt_bias, dt_softplus=True, out=self.out, config=config)
-
-    def window_fn(self, config):
-        def fn():
-            for _ in range(self.window):
-                for ids in self.sets:
-                    self.step(ids, config)
-        return fn, self.window * self.nsets
-
-    def flush_fn(self, config):
-        def fn():
-            self.cache.cursor.fill_(self.window - 1)
-            for ids in self.sets:
-                self.step(ids, config)
-        return fn, self.nsets
-
-
 def best(fn_factory, configs):
     results = []
     for cfg in configs:
@@ -173,14 +119,14 @@ def main(argv=None):
         for b in batches:
             cfgs = candidate_configs(m, b)
             ideal = ideal_bytes(m, b, L)
-            conv = Setup(m, b, 1)
+            conv = DecodePool(m, b, 1)
             t_conv, c_conv = best(conv.window_fn, cfgs)
             del conv
-            aligned = Setup(m, b, L)
+            aligned = DecodePool(m, b, L)
             t_mean, c_mean = best(aligned.window_fn, cfgs)
             t_flush, _ = best(aligned.flush_fn, [c_mean])
             del aligned
-            stag = Setup(m, b, L, stagger=True)
+            stag = DecodePool(m, b, L, stagger=True)
             t_stag, _ = best(stag.window_fn, [c_mean])
             del stag
             torch.cuda.empty_cache()

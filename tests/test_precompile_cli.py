@@ -57,10 +57,16 @@ def test_unknown_dtype(capsys, dtypes):
         assert ok in err
 
 
-@pytest.mark.parametrize("window", ["1", "0", "-3"])
-def test_window_below_two(capsys, window):
+@pytest.mark.parametrize("window", ["1", "0", "-3", "33"])
+def test_window_out_of_range(capsys, window):
     err = _cli_error(capsys, ["--model", "nemotron-super", "--window", window])
-    assert "--window must be >= 2" in err
+    assert "--window must be in 2..32" in err
+
+
+@pytest.mark.parametrize("dtypes", [",", ""])
+def test_empty_dtypes(capsys, dtypes):
+    err = _cli_error(capsys, ["--model", "nemotron-super", "--dtypes", dtypes])
+    assert "--dtypes" in err
 
 
 def test_window_not_an_int(capsys):

@@ -21,12 +21,10 @@ unsupported model.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
-ROTATION_BYTES = 512 << 20  # state bytes each timed step rotates over: far above the 60 MB L2
 OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-5}  # relative L2, outputs
 STATE_TOL = 2e-5  # relative L2, fp32 states against the float64 recurrence
 
@@ -142,56 +140,13 @@ def _print_check(res, batch, window, windows, dtype_name) -> None:
 # --------------------------------------------------------------------------------------- GPU
 
 
-class _TimingPool:
-    """One cache at one window, rows over nsets slot sets whose states total >= 512 MiB."""
-
-    def __init__(self, model, batch, window, dev, gen):
-        import torch
-
-        from .cache import Mamba2Cache
-
-        H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
-        self.window = window
-        self.nsets = max(2, math.ceil(ROTATION_BYTES / (batch * H * P * N * 4)))
-        slots = self.nsets * batch
-        bf = torch.bfloat16
-        self.cache = Mamba2Cache(slots, H, P, N, G, window=window, dtype=bf, device=dev)
-        self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
-        if window > 1:
-            self.cache.ring_x.normal_(generator=gen)
-            self.cache.ring_B.normal_(generator=gen)
-            self.cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
-            # Staggered: row r of every set starts at h = r % L.
-            self.cache.cursor.copy_(torch.arange(slots, device=dev) % batch % window)
-        self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
-                     for i in range(self.nsets)]
-        self.A = -(1.0 + torch.rand(H, generator=gen, device=dev))
-        self.dt_bias = -4.0 + torch.rand(H, generator=gen, device=dev)
-        self.D = torch.randn(H, generator=gen, device=dev)
-        self.x = torch.randn(batch, H, P, generator=gen, device=dev).to(bf)
-        self.dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(bf)
-        self.B = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
-        self.C = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
-        self.out = torch.empty(batch, H, P, dtype=bf, device=dev)
-
-    def fn(self, steps):
-        from .api import decode
-
-        def run():
-            for _ in range(steps):
-                for ids in self.sets:
-                    decode(self.cache, self.x, self.dt, self.A, self.B, self.C, ids, D=self.D,
-                           dt_bias=self.dt_bias, dt_softplus=True, out=self.out)
-        return run, steps * self.nsets
-
-
 def _gpu_demo(model, shard, args) -> int:
     import torch
 
     from .cache import Mamba2Cache
     from .compile_cache import target_arch
     from .kernels_host import mamba2_decode_kernel
-    from .perf import ideal_bytes, time_graph
+    from .perf import DecodePool, ideal_bytes, time_graph
 
     L, batch = args.window, args.batch
     dev = torch.device("cuda")
@@ -209,12 +164,14 @@ def _gpu_demo(model, shard, args) -> int:
     _print_check(res, batch, L, args.windows, "bf16")
     torch.cuda.empty_cache()
 
-    gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
     ideal = ideal_bytes(shard, batch, L)
     timings = {}
     for w, key in ((1, "conventional"), (L, "window_mean")):
-        pool = _TimingPool(shard, batch, w, dev, gen)
-        fn, launches = pool.fn(L)
+        pool = DecodePool(shard, batch, w, stagger=True, seed=args.seed + 1)
+        fn, launches = pool.window_fn()
+        if w == 1:  # time the conventional step over as many steps as a ReplaySSM window
+            run_once, n = fn, launches
+            fn, launches = (lambda: [run_once() for _ in range(L)]), n * L
         nsets = pool.nsets
         timings[key] = time_graph(fn, launches, replays=args.replays)
         del pool, fn

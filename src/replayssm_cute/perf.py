@@ -7,9 +7,12 @@ capturing it once in a CUDA graph and replaying the graph.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
-__all__ = ["ideal_bytes", "time_graph"]
+__all__ = ["DecodePool", "ideal_bytes", "time_graph"]
+
+ROTATION_BYTES = 512 << 20
 
 
 def ideal_bytes(model, batch: int, window: int) -> Dict[str, float]:
@@ -76,3 +79,63 @@ def time_graph(fn: Callable[[], object], launches_per_replay: int, replays: int 
         times.append(start.elapsed_time(stop) * 1e3 / launches_per_replay)
     times.sort()
     return times[len(times) // 2]
+
+
+class DecodePool:
+    """A bf16 decode pool at one model shape and batch for timing: the slots are split into sets
+    of `batch` rows whose states total >= 512 MiB (far above the 60 MB L2), so stepping through
+    the sets streams every checkpoint from HBM; fixed random inputs with realistic decays. With
+    `stagger`, row r of every set starts at ring position r mod L."""
+
+    def __init__(self, model, batch, window, stagger=False, seed=0):
+        import torch
+
+        from .cache import Mamba2Cache
+
+        H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
+        self.model, self.batch, self.window = model, batch, window
+        self.state_bytes = H * P * N * 4
+        self.nsets = max(2, math.ceil(ROTATION_BYTES / (batch * self.state_bytes)))
+        slots = self.nsets * batch
+        dev = torch.device("cuda")
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        self.cache = Mamba2Cache(slots, H, P, N, G, window=window, dtype=torch.bfloat16, device=dev)
+        self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
+        if window > 1:
+            self.cache.ring_x.normal_(generator=gen)
+            self.cache.ring_B.normal_(generator=gen)
+            self.cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
+            if stagger:
+                r = torch.arange(slots, device=dev) % batch
+                self.cache.cursor.copy_((r % window).int())
+        self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
+                     for i in range(self.nsets)]
+        self.A = -(1 + torch.rand(H, generator=gen, device=dev))
+        self.dt_bias = -4 + torch.rand(H, generator=gen, device=dev)
+        self.D = torch.randn(H, generator=gen, device=dev)
+        bf = torch.bfloat16
+        self.x = torch.randn(batch, H, P, generator=gen, device=dev).to(bf)
+        self.dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(bf)
+        self.B = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.C = torch.randn(batch, G, N, generator=gen, device=dev).to(bf)
+        self.out = torch.empty(batch, H, P, dtype=bf, device=dev)
+
+    def step(self, slot_ids, config=None):
+        from .api import decode
+
+        decode(self.cache, self.x, self.dt, self.A, self.B, self.C, slot_ids, D=self.D,
+                  dt_bias=self.dt_bias, dt_softplus=True, out=self.out, config=config)
+
+    def window_fn(self, config=None):
+        def fn():
+            for _ in range(self.window):
+                for ids in self.sets:
+                    self.step(ids, config)
+        return fn, self.window * self.nsets
+
+    def flush_fn(self, config=None):
+        def fn():
+            self.cache.cursor.fill_(self.window - 1)
+            for ids in self.sets:
+                self.step(ids, config)
+        return fn, self.nsets
