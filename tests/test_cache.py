@@ -6,28 +6,14 @@ import torch
 from replayssm_cute import reference as R
 from replayssm_cute.cache import Mamba2Cache
 
-F64 = torch.float64
+from _inputs import F64
+from _inputs import gen as _gen
+from _inputs import randn as _randn
+from _inputs import uniform as _uniform
 H, P, N = 6, 16, 32
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _gen(seed):
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
-
-
-def _randn(g, *shape):
-    """Random, never exactly zero, fp32-representable values returned as float64."""
-    t = torch.randn(*shape, generator=g, dtype=torch.float32)
-    t = torch.where(t == 0, torch.full_like(t, 0.5), t)
-    return t.to(F64)
-
-
-def _uniform(g, lo, hi, *shape):
-    return (lo + (hi - lo) * torch.rand(*shape, generator=g, dtype=torch.float32)).to(F64)
 
 
 def assert_rel(actual, expected, rtol, what=""):
