@@ -31,6 +31,23 @@ either through the rebuilt state ("state" route) or through the output-only rout
 which never forms S. Window L == 1 is conventional decoding (every step flushes).
 
 Cache-level semantics (``mamba2_decode_cache_``) are documented on that function.
+
+Gated DeltaNet (``gdn_*``; docs/replayssm.md, sections 2 and 3) uses ``HV`` value heads of
+size ``V``, ``H`` key heads of size ``K`` and value head ``hv`` reads key head
+``hv // (HV // H)``:
+
+* state / checkpoint ``(b, HV, V, K)``, K contiguous
+* ``q, k (b, H, K)``, ``v (b, HV, V)``, raw gates ``a, b (b, HV)``, ``A_log (HV,)``,
+  ``dt_bias (HV,)``
+* q and k are L2-normalised (``x / sqrt(sum x^2 + 1e-6)``), then ``q *= scale``
+  (default ``K ** -0.5``)
+* ``g = -exp(A_log) * softplus(a + dt_bias)``, ``alpha = exp(g)``, ``beta = sigmoid(b)``
+* ``u = beta * (v - alpha * S k)``; ``S = alpha * S + u k^T``; ``o = S q``
+* ring records, oldest first: ``ring_u (b, h, HV, V)``, ``ring_k (b, h, H, K)`` (normalised
+  keys), ``ring_g (b, h, HV)`` (log decay g).
+
+The ReplaySSM step needs the state before the token only through ``S k`` and ``S q``, both
+read output-only from checkpoint + ring (``gdn_replay_output``).
 """
 
 from __future__ import annotations
@@ -49,6 +66,14 @@ __all__ = [
     "mamba2_replay_step",
     "mamba2_decode_cache_",
     "mamba2_materialize",
+    "gdn_gates",
+    "gdn_normalize",
+    "gdn_conventional_step",
+    "gdn_replay",
+    "gdn_replay_output",
+    "gdn_replay_step",
+    "gdn_decode_cache_",
+    "gdn_materialize",
 ]
 
 _F64 = torch.float64
@@ -96,6 +121,18 @@ def _slot_list(slot_ids: Union[Tensor, Sequence[int]]) -> list:
             raise TypeError(f"slot_ids must be an integer tensor, got {slot_ids.dtype}")
         return [int(s) for s in slot_ids.tolist()]
     return [operator.index(s) for s in slot_ids]
+
+
+def _active_rows(cache, slot_ids, nrows: int, per: str) -> list:
+    """(row, slot) of the rows that decode: pad-sentinel and out-of-pool ids are skipped."""
+    ids = _slot_list(slot_ids)
+    if len(ids) != nrows:
+        raise ValueError(f"slot_ids has {len(ids)} entries, expected {nrows} (one per row of {per})")
+    active = [(r, s) for r, s in enumerate(ids) if s != cache.pad_slot_id and 0 <= s < cache.num_slots]
+    used = [s for _, s in active]
+    if len(set(used)) != len(used):
+        raise ValueError(f"slot_ids names a slot more than once among active rows: {ids}")
+    return active
 
 
 def _check_shape(name: str, t: Optional[Tensor], shape: tuple) -> None:
@@ -353,16 +390,7 @@ def mamba2_decode_cache_(
         out = torch.zeros_like(x)
     else:
         _check_shape("out", out, (b, H, P))
-    ids = _slot_list(slot_ids)
-    if len(ids) != b:
-        raise ValueError(f"slot_ids has {len(ids)} entries, expected {b} (one per row of x)")
-
-    active = [(r, s) for r, s in enumerate(ids) if s != cache.pad_slot_id and 0 <= s < cache.num_slots]
-    used = [s for _, s in active]
-    if len(set(used)) != len(used):
-        raise ValueError(f"slot_ids names a slot more than once among active rows: {ids}")
-
-    for r, s in active:
+    for r, s in _active_rows(cache, slot_ids, b, "x"):
         h = _slot_cursor(cache, s)
         rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
         row = slice(r, r + 1)
@@ -409,4 +437,315 @@ def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor)
         h = _slot_cursor(cache, s)
         rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
         out[i] = mamba2_replay(cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, A)[0]
+    return out
+
+
+# ============================================================================= Gated DeltaNet
+
+
+def _key_to_value_heads(t: Tensor, num_v_heads: int) -> Tensor:
+    """(..., H, K) -> (..., HV, K): value head hv gets key head hv // (HV // H)."""
+    num_k_heads = t.shape[-2]
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+    return t.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+
+
+def _state_times(state: Tensor, x: Tensor) -> Tensor:
+    """o[b, hv, v] = sum_k state[b, hv, v, k] * x[b, key_head(hv), k] (all float64)."""
+    x_v = _key_to_value_heads(_f64(x), state.shape[1])
+    return (state * x_v[:, :, None, :]).sum(dim=-1)
+
+
+def _require(name: str, t) -> None:
+    if t is None:
+        raise ValueError(f"{name} is required (got None)")
+
+
+def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tuple[Tensor, Tensor]:
+    """Gates of one token, float64 (bsz, HV) each: (g, beta).
+
+    g = -exp(A_log) * softplus(a + dt_bias) (the log of the decay alpha = exp(g)),
+    beta = sigmoid(b).
+    """
+    a64 = _f64(a)
+    g = -torch.exp(_f64(A_log).to(a64.device)) * softplus(a64 + _f64(dt_bias).to(a64.device))
+    beta = torch.sigmoid(_f64(b))
+    return g, beta
+
+
+def gdn_normalize(q: Tensor, k: Tensor, scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """L2-normalise q and k over K in float64 (x / sqrt(sum x^2 + 1e-6)), then q *= scale.
+
+    scale defaults to K ** -0.5. Returns float64 (q, k) with the input shapes (bsz, H, K).
+    """
+    q64, k64 = _f64(q), _f64(k)
+    qn = q64 / torch.sqrt((q64 * q64).sum(dim=-1, keepdim=True) + 1e-6)
+    kn = k64 / torch.sqrt((k64 * k64).sum(dim=-1, keepdim=True) + 1e-6)
+    if scale is None:
+        scale = q64.shape[-1] ** -0.5
+    return qn * scale, kn
+
+
+def gdn_conventional_step(
+    state: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """One conventional GDN decode step. Returns (o (bsz, HV, V), new_state (bsz, HV, V, K)),
+    float64.
+
+    alpha = exp(g); u = beta * (v - alpha * S k); S = alpha * S + u k^T; o = S q,
+    with q, k normalised (``gdn_normalize``) and g, beta from ``gdn_gates``.
+    """
+    S = _f64(state)
+    HV = S.shape[1]
+    qn, kn = gdn_normalize(q, k, scale)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    alpha = torch.exp(g)  # (bsz, HV)
+    k_v = _key_to_value_heads(kn, HV)  # (bsz, HV, K)
+    Sk = (S * k_v[:, :, None, :]).sum(dim=-1)  # (bsz, HV, V)
+    u = beta[:, :, None] * (_f64(v) - alpha[:, :, None] * Sk)
+    new_state = alpha[:, :, None, None] * S + u[:, :, :, None] * k_v[:, :, None, :]
+    return _state_times(new_state, qn), new_state
+
+
+def gdn_replay(checkpoint: Tensor, ring_u: Tensor, ring_k: Tensor, ring_g: Tensor) -> Tensor:
+    """Fold the h records (oldest first) into the checkpoint: the state after them, float64.
+
+    For each record j in order: S = exp(g_j) * S + u_j k_j^T (k_j the normalised key of the
+    value head's key head).
+    """
+    S = _f64(checkpoint).clone()
+    HV = S.shape[1]
+    for j in range(ring_u.shape[1]):
+        alpha_j = torch.exp(_f64(ring_g[:, j]))  # (bsz, HV)
+        k_v = _key_to_value_heads(_f64(ring_k[:, j]), HV)  # (bsz, HV, K)
+        S = alpha_j[:, :, None, None] * S + _f64(ring_u[:, j])[:, :, :, None] * k_v[:, :, None, :]
+    return S
+
+
+def gdn_replay_output(checkpoint: Tensor, ring_u: Tensor, ring_k: Tensor, ring_g: Tensor, x: Tensor) -> Tensor:
+    """S x (bsz, HV, V) for S = Replay(checkpoint, records), float64, without forming S.
+
+    x (bsz, H, K) is one vector per key head (a normalised key or query). Output-only route:
+        S x = gamma_h * (S_ckpt x) + sum_j gamma_{j+1:h} * u_j * (k_j . x)
+        gamma_h = exp(sum_j g_j),  gamma_{j+1:h} = exp(sum_{i > j} g_i)
+    The dot products k_j . x are computed once per key head and shared by its value heads.
+    """
+    S0 = _f64(checkpoint)
+    HV = S0.shape[1]
+    g = _f64(ring_g)  # (bsz, h, HV)
+
+    # sum_{i > j} g_i for every record j (exclusive suffix sum along the ring).
+    later = torch.zeros_like(g)
+    later[:, :-1] = torch.flip(torch.cumsum(torch.flip(g[:, 1:], dims=[1]), dim=1), dims=[1])
+    w = torch.exp(later)  # (bsz, h, HV): gamma_{j+1:h}
+    gamma = torch.exp(g.sum(dim=1))  # (bsz, HV)
+
+    kx = (_f64(ring_k) * _f64(x)[:, None]).sum(dim=-1)  # (bsz, h, H): k_j . x per key head
+    kx_v = _key_to_value_heads(kx[..., None], HV)[..., 0]  # (bsz, h, HV)
+
+    y_ckpt = _state_times(S0, x)  # (bsz, HV, V)
+    y_ring = ((w * kx_v)[..., None] * _f64(ring_u)).sum(dim=1)  # (bsz, HV, V)
+    return gamma[:, :, None] * y_ckpt + y_ring
+
+
+def gdn_replay_step(
+    checkpoint: Tensor,
+    ring_u: Tensor,
+    ring_k: Tensor,
+    ring_g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    scale: Optional[float] = None,
+    *,
+    window: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One ReplaySSM GDN decode step (T = 1) for a batch whose rows all hold the same h.
+
+    The ring tensors hold the h committed records before this token (0 <= h < window),
+    oldest first; h is ``ring_u.shape[1]``, shared by every row (``gdn_decode_cache_``
+    handles rows at different ring positions, one row at a time). With S the state before
+    the token (never formed; ``gdn_replay_output`` gives S k and S q):
+
+        u = beta * (v - alpha * S k);  append (u, k, g);  o = alpha * (S q) + u * (k . q)
+
+    (q, k normalised, q scaled.) Then, if h + 1 == window: flush, new_checkpoint =
+    Replay(checkpoint, all h + 1 records) and the returned rings are empty; otherwise the
+    checkpoint is returned unchanged (a float64 copy) and the rings hold h + 1 records.
+
+    Returns (o (bsz, HV, V), new_checkpoint, new_ring_u, new_ring_k, new_ring_g), float64;
+    new_ring_k holds normalised keys, new_ring_g the log decays g.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    h = ring_u.shape[1]
+    if not (ring_k.shape[1] == h and ring_g.shape[1] == h):
+        raise ValueError(
+            f"ring_u, ring_k, ring_g must hold the same number of records, got "
+            f"{ring_u.shape[1]}, {ring_k.shape[1]}, {ring_g.shape[1]}"
+        )
+    if not 0 <= h < window:
+        raise ValueError(f"the ring holds h={h} records; need 0 <= h < window={window}")
+
+    ckpt = _f64(checkpoint)
+    HV = ckpt.shape[1]
+    qn, kn = gdn_normalize(q, k, scale)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # (bsz, HV)
+    alpha = torch.exp(g)
+
+    # The state before the token enters only through S k and S q.
+    Sk = gdn_replay_output(ckpt, ring_u, ring_k, ring_g, kn)
+    Sq = gdn_replay_output(ckpt, ring_u, ring_k, ring_g, qn)
+    u = beta[:, :, None] * (_f64(v) - alpha[:, :, None] * Sk)  # (bsz, HV, V)
+    kq_v = _key_to_value_heads((kn * qn).sum(dim=-1, keepdim=True), HV)  # (bsz, HV, 1)
+    o = alpha[:, :, None] * Sq + u * kq_v
+
+    all_u = torch.cat([_f64(ring_u), u[:, None]], dim=1)
+    all_k = torch.cat([_f64(ring_k), kn[:, None]], dim=1)
+    all_g = torch.cat([_f64(ring_g), g[:, None]], dim=1)
+    if h + 1 == window:
+        new_ckpt = gdn_replay(ckpt, all_u, all_k, all_g)
+        all_u, all_k, all_g = all_u[:, :0], all_k[:, :0], all_g[:, :0]
+    else:
+        new_ckpt = ckpt.clone()
+    return o, new_ckpt, all_u, all_k, all_g
+
+
+def _gdn_slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """The h committed records of one GDN slot, oldest first, as float64 (1, h, ...) tensors.
+
+    Record i lives at ring index (origin + i) % capacity; values are read as stored (u fp16,
+    k in the activation dtype, g fp32) and converted exactly to float64.
+    """
+    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+    dev = cache.checkpoint.device
+    if h == 0:
+        return (
+            torch.zeros((1, 0, HV, V), dtype=_F64, device=dev),
+            torch.zeros((1, 0, H, K), dtype=_F64, device=dev),
+            torch.zeros((1, 0, HV), dtype=_F64, device=dev),
+        )
+    origin = int(cache.origin[slot])
+    idx = torch.tensor([(origin + i) % cache.capacity for i in range(h)], device=dev)
+    return (
+        _f64(cache.ring_u[slot].index_select(0, idx)).unsqueeze(0),
+        _f64(cache.ring_k[slot].index_select(0, idx)).unsqueeze(0),
+        _f64(cache.ring_g[slot].index_select(0, idx)).unsqueeze(0),
+    )
+
+
+def gdn_decode_cache_(
+    cache,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    slot_ids: Union[Tensor, Sequence[int]],
+    scale: Optional[float] = None,
+    out: Optional[Tensor] = None,
+) -> Tensor:
+    """In-place cache-level reference GDN step (T = 1) on a ``GDNCache``; returns ``out``.
+
+    Row r uses slot ``slot_ids[r]``. A row is skipped (no cache tensor touched, ``out[r]``
+    untouched; zeros when ``out`` is allocated here) if its slot id equals
+    ``cache.pad_slot_id`` or lies outside ``[0, num_slots)``. Two active rows naming the same
+    slot raise ValueError. Every active row, independently, with h = cursor[slot]:
+
+      * reads the slot's checkpoint and its h records at ring index (origin + i) % capacity,
+        as stored (u fp16, k activation dtype, g fp32, converted to float64), and runs
+        ``gdn_replay_step`` in float64. The current token uses q, k, v, a, b as given, in
+        float64 (its u, normalised k and g are exact);
+      * non-flush (h + 1 < window): writes the record at (origin + h) % capacity: u cast to
+        fp16, the normalised k to the activation dtype, g to fp32 (and, when the cache keeps
+        them, v to the activation dtype and beta to fp32); cursor += 1; the checkpoint is
+        not written;
+      * flush (h + 1 == window): writes the new checkpoint (cast to fp32), cursor = 0,
+        origin unchanged; the flushing token's record is folded, not stored.
+
+    window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
+    touched. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
+    """
+    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+    if not isinstance(v, Tensor) or v.dim() != 3:
+        raise ValueError(f"v must be a (batch, {HV}, {V}) tensor")
+    bsz = v.shape[0]
+    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        _require(name, t)
+    _check_shape("q", q, (bsz, H, K))
+    _check_shape("k", k, (bsz, H, K))
+    _check_shape("v", v, (bsz, HV, V))
+    _check_shape("a", a, (bsz, HV))
+    _check_shape("b", b, (bsz, HV))
+    _check_shape("A_log", A_log, (HV,))
+    _check_shape("dt_bias", dt_bias, (HV,))
+    if out is None:
+        out = torch.zeros_like(v)
+    else:
+        _check_shape("out", out, (bsz, HV, V))
+    for r, s in _active_rows(cache, slot_ids, bsz, "v"):
+        h = _slot_cursor(cache, s)
+        rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
+        row = slice(r, r + 1)
+        o, new_ckpt, new_u, new_k, new_g = gdn_replay_step(
+            cache.checkpoint[s : s + 1],
+            rec_u,
+            rec_k,
+            rec_g,
+            q[row],
+            k[row],
+            v[row],
+            a[row],
+            b[row],
+            A_log,
+            dt_bias,
+            scale,
+            window=cache.window,
+        )
+        out[r] = o[0].to(dtype=out.dtype, device=out.device)
+        if h + 1 == cache.window:
+            cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
+            cache.cursor[s] = 0
+        else:
+            pos = (int(cache.origin[s]) + h) % cache.capacity
+            cache.ring_u[s, pos] = new_u[0, -1].to(dtype=cache.ring_u.dtype)
+            cache.ring_k[s, pos] = new_k[0, -1].to(dtype=cache.ring_k.dtype)
+            cache.ring_g[s, pos] = new_g[0, -1].to(dtype=cache.ring_g.dtype)
+            if cache.ring_v is not None:
+                _, beta = gdn_gates(a[row], b[row], A_log, dt_bias)
+                cache.ring_v[s, pos] = v[r].to(dtype=cache.ring_v.dtype, device=cache.ring_v.device)
+                cache.ring_beta[s, pos] = beta[0].to(dtype=cache.ring_beta.dtype, device=cache.ring_beta.device)
+            cache.cursor[s] = h + 1
+    return out
+
+
+def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
+    """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint + replay of
+    its committed records (read as stored). Slot ids must lie in [0, num_slots)."""
+    ids = _slot_list(slot_ids)
+    out = torch.empty(
+        (len(ids), cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), dtype=_F64,
+        device=cache.checkpoint.device,
+    )
+    for i, s in enumerate(ids):
+        if not 0 <= s < cache.num_slots:
+            raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
+        h = _slot_cursor(cache, s)
+        rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
+        out[i] = gdn_replay(cache.checkpoint[s : s + 1], rec_u, rec_k, rec_g)[0]
     return out

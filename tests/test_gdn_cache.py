@@ -1,0 +1,529 @@
+"""Tests of GDNCache and the cache-level GDN reference step (CPU only)."""
+
+import pytest
+import torch
+
+from replayssm_cute import reference as R
+from replayssm_cute.cache import GDNCache, Mamba2Cache
+
+from _inputs import F64
+from _inputs import gen as _gen
+from _inputs import randn as _randn
+from _inputs import uniform as _uniform
+
+# Qwen3.5-4B-like, small: 2 key heads, 6 value heads, K = V = 16.
+H, HV, K, V = 2, 6, 16, 16
+_RINGS = ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def assert_rel(actual, expected, rtol, what=""):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().item()
+    err = (actual.to(F64) - expected.to(F64)).abs().max().item()
+    assert scale > 0, f"{what}: expected is all zeros, the check would be vacuous"
+    assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
+
+
+def assert_rounding_of(stored, exact, unit, tiny, what=""):
+    """stored is exact rounded to a format with unit roundoff `unit` (relative), allowing a
+    double rounding through fp32 and an absolute `tiny` for subnormals."""
+    err = (stored.to(F64) - exact).abs()
+    bound = exact.abs() * unit * (1 + 2.0**-10) + tiny
+    assert bool((err <= bound).all()), f"{what}: not a rounding of the exact value (max err {err.max():.3e})"
+
+
+def assert_fp32_rounding_of(ckpt, exact, what=""):
+    assert_rounding_of(ckpt, exact, 2.0**-24, 1e-37, what)
+
+
+def _snapshot(cache):
+    names = ("checkpoint",) + _RINGS + ("cursor", "origin", "arrivals")
+    return {n: getattr(cache, n).clone() for n in names if getattr(cache, n) is not None}
+
+
+def _slot_equal(cache, snap, s):
+    return all(torch.equal(getattr(cache, n)[s], t[s]) for n, t in snap.items())
+
+
+def _layer(g, hv=HV):
+    return torch.log(_uniform(g, 1.0, 8.0, hv)), _uniform(g, -4.0, -2.0, hv)
+
+
+def _fold(S, u, k, g):
+    """The plain recurrence update S = exp(g) S + u k^T for one slot (1, HV, V, K), value head
+    hv reading key head hv // (HV // H); u (HV, V), k (H, K), g (HV,) as float64."""
+    S = S.clone()
+    nh, nkh = S.shape[1], k.shape[0]
+    for hv in range(nh):
+        S[0, hv] = torch.exp(g[hv]) * S[0, hv] + u[hv, :, None] * k[hv // (nh // nkh), None, :]
+    return S
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_layout_and_defaults(keep):
+    c = GDNCache(5, HV, V, K, H, window=8, max_draft=3, dtype=torch.float16, keep_v_beta=keep)
+    assert (c.num_slots, c.num_v_heads, c.head_v_dim, c.head_k_dim, c.num_k_heads) == (5, HV, V, K, H)
+    assert (c.window, c.max_draft, c.capacity, c.pad_slot_id, c.keep_v_beta) == (8, 3, 11, -1, keep)
+    assert c.dtype == torch.float16 and c.device == torch.device("cpu")
+    assert not c.is_conventional and c.read_copy is None
+    expect = {
+        "checkpoint": ((5, HV, V, K), torch.float32),
+        "ring_u": ((5, 11, HV, V), torch.float16),
+        "ring_k": ((5, 11, H, K), torch.float16),
+        "ring_g": ((5, 11, HV), torch.float32),
+        "cursor": ((5,), torch.int32),
+        "origin": ((5,), torch.int32),
+        "arrivals": ((5,), torch.int32),
+    }
+    if keep:
+        expect["ring_v"] = ((5, 11, HV, V), torch.float16)
+        expect["ring_beta"] = ((5, 11, HV), torch.float32)
+    else:
+        assert c.ring_v is None and c.ring_beta is None
+    for name, (shape, dtype) in expect.items():
+        t = getattr(c, name)
+        assert tuple(t.shape) == shape and t.dtype == dtype, name
+        assert t.is_contiguous() and t.stride()[-1] == 1, name
+        assert not t.any(), name
+    assert c.checkpoint.stride() == (HV * V * K, V * K, K, 1)
+
+
+def test_defaults_and_conventional():
+    c = GDNCache(3, 4, 32, 16, 4)
+    assert c.window == 16 and c.max_draft == 0 and c.capacity == 16 and c.dtype == torch.bfloat16
+    assert c.ring_k.dtype == torch.bfloat16 and c.ring_u.dtype == torch.float16 and not c.keep_v_beta
+    conv = GDNCache(3, 4, 32, 16, 2, window=1)
+    assert conv.is_conventional and conv.capacity == 1
+    assert all(getattr(conv, n) is None for n in _RINGS)
+    assert conv.checkpoint.shape == (3, 4, 32, 16)
+
+
+def test_repr():
+    r = repr(GDNCache(4, HV, 32, K, H, window=5, max_draft=1, pad_slot_id=0, keep_v_beta=True))
+    for part in ["GDNCache(", "num_slots=4", "num_v_heads=6", "head_v_dim=32", "head_k_dim=16",
+                 "num_k_heads=2", "window=5", "max_draft=1", "capacity=6", "torch.bfloat16",
+                 "pad_slot_id=0", "keep_v_beta=True"]:
+        assert part in r
+
+
+def test_shares_the_pool_base_with_mamba2():
+    base = [k for k in GDNCache.__mro__ if k in Mamba2Cache.__mro__ and k is not object]
+    assert base, "GDNCache and Mamba2Cache share no base class"
+    for name in ("load_prefill", "memory_per_slot", "_slot_ids", "__repr__"):
+        assert getattr(GDNCache, name) is getattr(Mamba2Cache, name), name
+
+
+BASE = dict(num_slots=4, num_v_heads=HV, head_v_dim=V, head_k_dim=K, num_k_heads=H)
+
+
+@pytest.mark.parametrize(
+    "changes,exc,match",
+    [
+        (dict(num_slots=0), ValueError, "num_slots"),
+        (dict(num_slots=2.0), TypeError, "num_slots"),
+        (dict(num_v_heads=0), ValueError, "num_v_heads"),
+        (dict(num_v_heads=True), TypeError, "num_v_heads"),
+        (dict(head_v_dim=0), ValueError, "head_v_dim"),
+        (dict(head_v_dim=24), ValueError, "head_v_dim must be a multiple of 16"),
+        (dict(head_v_dim=272), ValueError, "head_v_dim"),
+        (dict(head_k_dim=8), ValueError, "head_k_dim must be a multiple of 16"),
+        (dict(head_k_dim=512), ValueError, "head_k_dim"),
+        (dict(head_k_dim="16"), TypeError, "head_k_dim"),
+        (dict(num_k_heads=0), ValueError, "num_k_heads"),
+        (dict(num_k_heads=4), ValueError, "multiple of num_k_heads"),
+        (dict(window=0), ValueError, "window"),
+        (dict(window="16"), TypeError, "window"),
+        (dict(max_draft=-1), ValueError, "max_draft"),
+        (dict(max_draft=17), ValueError, "max_draft"),
+        (dict(window=1, max_draft=2), ValueError, "max_draft"),
+        (dict(window=1, keep_v_beta=True), ValueError, "keep_v_beta"),
+        (dict(keep_v_beta=1), TypeError, "keep_v_beta"),
+        (dict(dtype=torch.float64), ValueError, "dtype"),
+        (dict(dtype=torch.int8), ValueError, "dtype"),
+        (dict(dtype="bfloat16"), TypeError, "dtype"),
+        (dict(pad_slot_id=1), ValueError, "pad_slot_id"),
+        (dict(pad_slot_id=-2), ValueError, "pad_slot_id"),
+        (dict(pad_slot_id=0, num_slots=1), ValueError, "num_slots"),
+        (dict(device="not-a-device"), TypeError, "device"),
+    ],
+)
+def test_constructor_validation(changes, exc, match):
+    kw = dict(BASE, **changes)
+    pos = [kw.pop(k) for k in ["num_slots", "num_v_heads", "head_v_dim", "head_k_dim", "num_k_heads"]]
+    with pytest.raises(exc, match=match):
+        GDNCache(*pos, **kw)
+
+
+def test_constructor_accepts_edge_values():
+    GDNCache(1, 1, 16, 256, 1, window=1)
+    GDNCache(2, 6, 256, 16, 6, window=2, max_draft=16, dtype=torch.float32, pad_slot_id=0, keep_v_beta=True)
+
+
+@pytest.mark.parametrize(
+    "shape,window,max_draft,dtype,keep",
+    [((32, 128, 128, 16), 16, 0, torch.bfloat16, False), ((64, 128, 128, 16), 13, 4, torch.float16, True),
+     ((HV, V, K, H), 5, 16, torch.float32, True), ((HV, 32, K, HV), 1, 0, torch.bfloat16, False)],
+)
+def test_memory_per_slot(shape, window, max_draft, dtype, keep):
+    nh, vd, kd, nkh = shape
+    c = GDNCache(3, nh, vd, kd, nkh, window=window, max_draft=max_draft, dtype=dtype, keep_v_beta=keep)
+    m = c.memory_per_slot()
+    cap = window + max_draft
+    act = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}[dtype]
+    ring = window > 1
+    assert list(m) == ["checkpoint", *_RINGS, "cursor", "origin", "arrivals", "total"]
+    assert m["checkpoint"] == 4 * nh * vd * kd
+    assert m["ring_u"] == (cap * nh * vd * 2 if ring else 0)
+    assert m["ring_k"] == (cap * nkh * kd * act if ring else 0)
+    assert m["ring_g"] == (cap * nh * 4 if ring else 0)
+    assert m["ring_v"] == (cap * nh * vd * act if keep else 0)
+    assert m["ring_beta"] == (cap * nh * 4 if keep else 0)
+    assert m["cursor"] == m["origin"] == m["arrivals"] == 4
+    assert m["total"] == sum(v for k, v in m.items() if k != "total")
+    allocated = sum(t.numel() * t.element_size() for t in _snapshot(c).values())
+    assert allocated == 3 * m["total"]
+
+
+def test_memory_qwen35_4b_numbers():
+    m = GDNCache(1, 32, 128, 128, 16, window=16).memory_per_slot()
+    assert m["checkpoint"] == 2_097_152
+    assert m["ring_u"] == 131_072 and m["ring_k"] == 65_536 and m["ring_g"] == 2_048
+    assert m["ring_v"] == 0 and m["ring_beta"] == 0
+    assert m["total"] == 2_097_152 + 131_072 + 65_536 + 2_048 + 12
+    m2 = GDNCache(1, 32, 128, 128, 16, window=16, keep_v_beta=True).memory_per_slot()
+    assert m2["ring_v"] == 131_072 and m2["ring_beta"] == 2_048
+    assert m2["total"] == m["total"] + 131_072 + 2_048
+
+
+# ----------------------------------------------------------------------------- from_state
+
+
+def test_from_state_shares_storage():
+    g = _gen(1)
+    state = _randn(g, 4, HV, V, K).float()
+    c = GDNCache.from_state(state, H)
+    assert c.checkpoint is state
+    assert c.is_conventional and c.ring_u is None and not c.keep_v_beta
+    assert (c.num_slots, c.num_v_heads, c.head_v_dim, c.head_k_dim, c.num_k_heads) == (4, HV, V, K, H)
+    assert c.cursor.shape == (4,) and c.cursor.dtype == torch.int32
+    before = state.clone()
+    A_log, dt_bias = _layer(g)
+    o = R.gdn_decode_cache_(c, _randn(g, 1, H, K), _randn(g, 1, H, K), _randn(g, 1, HV, V),
+                            _randn(g, 1, HV), _randn(g, 1, HV), A_log, dt_bias, [2])
+    assert not torch.equal(state[2], before[2]), "decoding did not update the engine's tensor"
+    assert torch.equal(state[[0, 1, 3]], before[[0, 1, 3]])
+    assert o.shape == (1, HV, V)
+    state[0].fill_(3.0)
+    assert bool((c.checkpoint[0] == 3.0).all())
+
+    c2 = GDNCache.from_state(state, 6, window=4, max_draft=2, dtype=torch.float16, pad_slot_id=0,
+                             keep_v_beta=True)
+    assert c2.checkpoint.data_ptr() == state.data_ptr()
+    assert c2.ring_k.shape == (4, 6, 6, K) and c2.ring_k.dtype == torch.float16
+    assert c2.ring_v.shape == (4, 6, HV, V) and c2.ring_beta.shape == (4, 6, HV)
+    assert c2.pad_slot_id == 0 and c2.capacity == 6
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: torch.zeros(2, HV, V, K, dtype=torch.float16), ValueError, "float32"),
+        (lambda: torch.zeros(2, HV, K, V + 16).transpose(2, 3), ValueError, "K innermost"),
+        (lambda: torch.zeros(HV, V, K), ValueError, r"\(slots, num_v_heads, head_v_dim, head_k_dim\)"),
+        (lambda: torch.zeros(2, HV, V, 24), ValueError, "head_k_dim"),
+        (lambda: [[0.0]], TypeError, "state"),
+    ],
+)
+def test_from_state_validation(make, exc, match):
+    with pytest.raises(exc, match=match):
+        GDNCache.from_state(make(), H)
+    with pytest.raises(ValueError, match="multiple of num_k_heads"):
+        GDNCache.from_state(torch.zeros(2, HV, V, K), 4)
+
+
+# ----------------------------------------------------------------------------- load_prefill
+
+
+def test_load_prefill_sets_checkpoint_and_clears_cursor():
+    g = _gen(2)
+    c = GDNCache(5, HV, V, K, H, window=4, max_draft=2, keep_v_beta=True)
+    c.cursor.copy_(torch.tensor([1, 2, 3, 1, 2], dtype=torch.int32))
+    c.origin.copy_(torch.tensor([5, 4, 3, 2, 1], dtype=torch.int32))
+    c.ring_u.normal_(generator=g)
+    c.ring_v.normal_(generator=g)
+    snap = _snapshot(c)
+    state = torch.randn(2, HV, V, K, generator=g, dtype=F64)
+    c.load_prefill(torch.tensor([3, 1]), state)
+    assert torch.equal(c.checkpoint[3], state[0].float())
+    assert torch.equal(c.checkpoint[1], state[1].float())
+    assert c.cursor.tolist() == [1, 0, 3, 0, 2]
+    assert c.origin.tolist() == [5, 0, 3, 0, 1]
+    for s in (0, 2, 4):
+        assert _slot_equal(c, snap, s)
+    assert torch.equal(c.materialize([1]), state[1:2].float().to(F64))
+    bf = torch.randn(1, HV, V, K, generator=g).bfloat16()
+    c.load_prefill([4], bf)
+    assert torch.equal(c.checkpoint[4], bf[0].float())
+    assert c.checkpoint.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "ids,state,exc,match",
+    [
+        ([0], torch.zeros(2, HV, V, K), ValueError, "state must have shape"),
+        ([0], torch.zeros(1, HV, K, V + 16), ValueError, "state must have shape"),
+        ([5], torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
+        ([-1], torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
+        ([1, 1], torch.zeros(2, HV, V, K), ValueError, "more than once"),
+        (torch.tensor([1.0]), torch.zeros(1, HV, V, K), TypeError, "slot_ids"),
+        (torch.tensor([[1]]), torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
+        ([1], torch.zeros(1, HV, V, K, dtype=torch.int32), TypeError, "state"),
+        ([1], "state", TypeError, "state"),
+    ],
+)
+def test_load_prefill_validation(ids, state, exc, match):
+    c = GDNCache(5, HV, V, K, H, window=4)
+    snap = _snapshot(c)
+    with pytest.raises(exc, match=match):
+        c.load_prefill(ids, state)
+    assert all(torch.equal(getattr(c, n), t) for n, t in snap.items())
+
+
+def test_load_prefill_rejects_reserved_slot_zero():
+    c = GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0)
+    with pytest.raises(ValueError, match="reserved"):
+        c.load_prefill([0], torch.zeros(1, HV, V, K))
+    c.load_prefill([1, 2], torch.ones(2, HV, V, K))
+    assert not c.checkpoint[0].any()
+
+
+# ----------------------------------------------------------------------------- cache decode
+
+
+def _drive(cache, *, seed, steps_after_join, offsets, active_slots, act_dtype, origins=None, scale=None):
+    """Run decode steps on `cache` and check every step against the plain recurrence.
+
+    Slot active_slots[i] joins at step offsets[i] (so rows sit at different ring positions).
+    Every batch also holds pad rows and out-of-range slot ids, in shuffled order.
+    Activations hold values representable in act_dtype but are passed as float64 (so `out`
+    is float64 and nothing but the stored records is rounded).
+
+    The recurrence each step is checked against starts from the state the cache holds:
+    the stored checkpoint after a flush, and after a non-flush step the fold of the record
+    as stored (u rounded to fp16, k to the ring dtype, g to fp32), each stored value first
+    checked to be the rounding of the exact one. Returns the flushes per slot; checks it is
+    (steps the slot ran) // window.
+    """
+    g = _gen(seed)
+    L, cap = cache.window, cache.capacity
+    nh, nkh = cache.num_v_heads, cache.num_k_heads
+    A_log, dt_bias = _layer(g, nh)
+    # unit roundoff and subnormal spacing of the ring dtype of k
+    unit_k, tiny_k = {torch.float32: (2.0**-24, 1e-37), torch.bfloat16: (2.0**-8, 1e-37),
+                      torch.float16: (2.0**-11, 2.0**-24)}[cache.dtype]
+
+    S0 = _randn(g, len(active_slots), nh, V, K)
+    cache.load_prefill(active_slots, S0)
+    if origins is not None:
+        for s, o in zip(active_slots, origins):
+            cache.origin[s] = o
+    conv = {s: S0[i : i + 1].float().to(F64) for i, s in enumerate(active_slots)}
+    flushes = {s: 0 for s in active_slots}
+    never_used = [s for s in range(cache.num_slots) if s not in active_slots]
+    initial = _snapshot(cache)
+    skip_ids = [cache.pad_slot_id, cache.pad_slot_id, cache.num_slots, cache.num_slots + 3, -5]
+    if cache.pad_slot_id == 0:
+        skip_ids.append(-1)
+
+    total_steps = max(offsets) + steps_after_join
+    for step in range(total_steps):
+        live = [s for s, off in zip(active_slots, offsets) if step >= off]
+        ids = live + skip_ids[: 1 + step % len(skip_ids)]
+        perm = torch.randperm(len(ids), generator=g).tolist()
+        ids = [ids[i] for i in perm]
+        b = len(ids)
+
+        q = _randn(g, b, nkh, K).to(act_dtype).to(F64)
+        k = _randn(g, b, nkh, K).to(act_dtype).to(F64)
+        v = _randn(g, b, nh, V).to(act_dtype).to(F64)
+        a = _randn(g, b, nh).to(act_dtype).to(F64)
+        bg = _randn(g, b, nh).to(act_dtype).to(F64)
+        out = _randn(g, b, nh, V)
+        out_before = out.clone()
+        before = _snapshot(cache)
+
+        ret = R.gdn_decode_cache_(cache, q, k, v, a, bg, A_log, dt_bias, torch.tensor(ids), scale=scale, out=out)
+        assert ret is out
+
+        assert not cache.arrivals.any()
+        for r, s in enumerate(ids):
+            if s not in live:
+                assert torch.equal(out[r], out_before[r]), f"skipped row {r} (slot {s}) was written"
+                continue
+            row = slice(r, r + 1)
+            S_prev = conv[s]
+            o_conv, S_new = R.gdn_conventional_step(S_prev, q[row], k[row], v[row], a[row], bg[row],
+                                                    A_log, dt_bias, scale)
+            assert_rel(out[row], o_conv, 1e-10, f"o step {step} slot {s}")
+            h = int(before["cursor"][s])
+            o = int(before["origin"][s])
+            assert int(cache.origin[s]) == o, "origin moved"
+            if h + 1 == L:
+                flushes[s] += 1
+                assert int(cache.cursor[s]) == 0
+                assert_fp32_rounding_of(cache.checkpoint[s : s + 1], S_new, f"flush step {step} slot {s}")
+                for n in _RINGS:
+                    if n in before:
+                        assert torch.equal(getattr(cache, n)[s], before[n][s]), f"flush wrote {n}"
+                conv[s] = cache.checkpoint[s : s + 1].to(F64)  # continue from the stored checkpoint
+            else:
+                assert int(cache.cursor[s]) == h + 1
+                assert torch.equal(cache.checkpoint[s], before["checkpoint"][s]), "non-flush wrote checkpoint"
+                pos = (o + h) % cap
+                # the exact record, from the recurrence's state before the token
+                _, kn = R.gdn_normalize(q[row], k[row], scale)
+                gg, beta = R.gdn_gates(a[row], bg[row], A_log, dt_bias)
+                Sk = (S_prev * kn.repeat_interleave(nh // nkh, dim=1)[:, :, None, :]).sum(-1)
+                u = (beta[..., None] * (v[row] - torch.exp(gg)[..., None] * Sk))[0]
+                assert_rounding_of(cache.ring_u[s, pos], u, 2.0**-11, 2.0**-24, f"u step {step} slot {s}")
+                assert_rounding_of(cache.ring_k[s, pos], kn[0], unit_k, tiny_k, f"k step {step} slot {s}")
+                assert torch.equal(cache.ring_g[s, pos], gg[0].float())
+                if cache.keep_v_beta:
+                    assert torch.equal(cache.ring_v[s, pos], v[r].to(cache.dtype))
+                    assert torch.equal(cache.ring_beta[s, pos], beta[0].float())
+                others = [i for i in range(cap) if i != pos]
+                for n in _RINGS:
+                    if n in before:
+                        assert torch.equal(getattr(cache, n)[s, others], before[n][s, others]), n
+                conv[s] = _fold(S_prev, cache.ring_u[s, pos].to(F64), cache.ring_k[s, pos].to(F64),
+                                cache.ring_g[s, pos].to(F64))
+        for s in range(cache.num_slots):
+            if s not in live:
+                assert _slot_equal(cache, before, s), f"slot {s} not in the batch was touched"
+        if live:
+            mat = cache.materialize(live)
+            assert mat.dtype == F64
+            assert_rel(mat, torch.cat([conv[s] for s in live]), 1e-12, f"materialize step {step}")
+    for s in never_used:
+        assert _slot_equal(cache, initial, s), f"unused slot {s} changed"
+    for s, off in zip(active_slots, offsets):
+        assert flushes[s] == (total_steps - off) // L, f"slot {s} flushed {flushes[s]} times"
+    return flushes
+
+
+@pytest.mark.parametrize(
+    "window,nkh,nh,max_draft,pad,origins,act_dtype,keep,scale",
+    [
+        (16, H, HV, 0, -1, None, torch.float32, False, None),
+        (3, H, HV, 2, 0, [4, 3, 0, 2, 1], torch.bfloat16, True, None),
+        (5, 2, 2, 3, -1, [7, 6, 5, 1, 0], torch.float16, False, 0.4),
+        (16, 2, 2, 4, 0, [19, 3, 17, 0, 10], torch.bfloat16, True, None),
+        (7, 1, 3, 1, -1, [1, 2, 7, 0, 5], torch.float32, False, None),
+        (1, H, HV, 0, -1, None, torch.bfloat16, False, None),
+        (1, 2, 2, 0, 0, None, torch.float32, False, None),
+    ],
+)
+def test_cache_decode_against_recurrence(window, nkh, nh, max_draft, pad, origins, act_dtype, keep, scale):
+    cache = GDNCache(8, nh, V, K, nkh, window=window, max_draft=max_draft, dtype=act_dtype, pad_slot_id=pad,
+                     keep_v_beta=keep)
+    active = [0, 2, 3, 5, 6] if pad == -1 else [1, 2, 3, 5, 6]
+    offsets = [0, 1, 2, 4, 7]
+    flushes = _drive(cache, seed=window * 100 + nh * 10 + max_draft, steps_after_join=5 * window + 2,
+                     offsets=offsets, active_slots=active, act_dtype=act_dtype, origins=origins, scale=scale)
+    assert min(flushes.values()) == (5 if window > 1 else 5 * window + 2)
+
+
+def test_cache_decode_rounds_only_stored_records():
+    """fp32 inputs into a bf16 ring: the current token's record is exact, earlier records are
+    read back as stored (u fp16, k bf16), and that rounding is visible but small."""
+    g = _gen(11)
+    L = 4
+    cache = GDNCache(2, HV, V, K, H, window=L, dtype=torch.bfloat16)
+    A_log, dt_bias = _layer(g)
+    S0 = _randn(g, 1, HV, V, K)
+    cache.load_prefill([1], S0)
+    S_stored = S0.float().to(F64)  # the recurrence through the stored (rounded) records
+    S_exact = S_stored.clone()  # the recurrence with nothing rounded
+    for i in range(L):
+        t = [_randn(g, 1, H, K), _randn(g, 1, H, K), _randn(g, 1, HV, V), _randn(g, 1, HV), _randn(g, 1, HV)]
+        o = R.gdn_decode_cache_(cache, *[x.float() for x in t], A_log.float(), dt_bias.float(), [1])
+        assert o.dtype == torch.float32
+        o_expect, S_full = R.gdn_conventional_step(S_stored, *t, A_log.float(), dt_bias.float())
+        o_exact, S_exact = R.gdn_conventional_step(S_exact, *t, A_log.float(), dt_bias.float())
+        assert_rel(o, o_expect, 1e-6, f"token {i}")  # out is fp32: 1e-6 covers its rounding
+        if i > 0:  # earlier records were rounded: using them exactly would be a visible difference
+            diff = (o_expect - o_exact).abs().max() / o_exact.abs().max()
+            assert 1e-5 < diff < 1e-2, f"token {i}: rounding effect {diff:.2e}"
+        if i + 1 < L:
+            S_stored = _fold(S_stored, cache.ring_u[1, i].to(F64), cache.ring_k[1, i].to(F64),
+                             cache.ring_g[1, i].to(F64))
+        else:  # flush: the last token is folded exactly
+            assert_fp32_rounding_of(cache.checkpoint[1:2], S_full, "flush")
+    assert int(cache.cursor[1]) == 0
+
+
+def test_cache_decode_out_allocation_and_pad_rows():
+    g = _gen(12)
+    cache = GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0)
+    A_log, dt_bias = _layer(g)
+    v = _randn(g, 3, HV, V).bfloat16()
+    args = (_randn(g, 3, H, K).bfloat16(), _randn(g, 3, H, K).bfloat16(), v, _randn(g, 3, HV).bfloat16(),
+            _randn(g, 3, HV).bfloat16(), A_log.float(), dt_bias.float())
+    cache.load_prefill([1, 2], _randn(g, 2, HV, V, K))
+    o = R.gdn_decode_cache_(cache, *args, torch.tensor([2, 0, 1], dtype=torch.int32))
+    assert o.dtype == torch.bfloat16 and o.shape == v.shape
+    assert not o[1].any() and o[0].abs().sum() > 0 and o[2].abs().sum() > 0
+    assert cache.cursor.tolist() == [0, 1, 1]
+    assert not cache.ring_u[0].any() and not cache.checkpoint[0].any()
+
+
+def test_cache_decode_argument_errors():
+    g = _gen(13)
+    cache = GDNCache(4, HV, V, K, H, window=4)
+    A_log, dt_bias = _layer(g)
+    q, k, v = _randn(g, 2, H, K), _randn(g, 2, H, K), _randn(g, 2, HV, V)
+    a, b = _randn(g, 2, HV), _randn(g, 2, HV)
+    snap = _snapshot(cache)
+    with pytest.raises(ValueError, match="more than once"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, [1, 1])
+    with pytest.raises(ValueError, match="slot_ids"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, [1])
+    with pytest.raises(ValueError, match="k must have shape"):
+        R.gdn_decode_cache_(cache, q, k[:, :1], v, a, b, A_log, dt_bias, [1, 2])
+    with pytest.raises(ValueError, match="q must have shape"):
+        R.gdn_decode_cache_(cache, _randn(g, 2, HV, K), k, v, a, b, A_log, dt_bias, [1, 2])
+    with pytest.raises(ValueError, match="a must have shape"):
+        R.gdn_decode_cache_(cache, q, k, v, a[:, :2], b, A_log, dt_bias, [1, 2])
+    with pytest.raises(ValueError, match="A_log must have shape"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log[:2], dt_bias, [1, 2])
+    with pytest.raises(ValueError, match="dt_bias"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, None, [1, 2])
+    with pytest.raises(ValueError, match="out must have shape"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, [1, 2], out=torch.zeros(3, HV, V))
+    for n, t in snap.items():
+        assert torch.equal(getattr(cache, n), t), n
+    R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, [-1, -1])  # several pad rows are fine
+    for n, t in snap.items():
+        assert torch.equal(getattr(cache, n), t), n
+    cache.cursor[2] = 4  # corrupt: h must stay below window
+    with pytest.raises(RuntimeError, match="cursor"):
+        R.gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, [2, -1])
+
+
+def test_materialize_validation_and_fresh_slots():
+    g = _gen(14)
+    cache = GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0)
+    S = _randn(g, 2, HV, V, K)
+    cache.load_prefill([2, 1], S)
+    assert torch.equal(cache.materialize(torch.tensor([1, 2])), S.flip(0).float().to(F64))
+    assert torch.equal(cache.materialize([2, 2]), S[[0, 0]])
+    with pytest.raises(ValueError, match="slot_ids"):
+        cache.materialize([3])
+    with pytest.raises(ValueError, match="reserved"):
+        cache.materialize([0])
