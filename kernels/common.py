@@ -1,6 +1,6 @@
 """Device helpers shared by the Mamba-2 and GDN decode kernels.
 
-What lives here is the same in every layer type: the softplus of the engines, a warp sum, and
+What lives here is the same in every layer type: the softplus of the engines, warp sums, and
 the TMA streaming of a checkpoint tile into shared memory (one mbarrier per stage, every stage
 issued up front so a CTA keeps its whole tile in flight).
 """
@@ -26,6 +26,28 @@ def warp_sum(val: Float32) -> Float32:
     for i in cutlass.range_constexpr(5):
         val = val + cute.arch.shuffle_sync_bfly(val, offset=1 << (4 - i))
     return val
+
+
+@cute.jit
+def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
+    """Sum each of n per-lane values (a power of two up to 32) over the warp in n - 1 + 5 - log2(n)
+    shuffles instead of 5 n: every step halves the values a lane carries and trades the other
+    half with its partner. Lane l returns the total of value ``l >> (5 - log2(n))``; ``vals`` is
+    clobbered."""
+    m = n.bit_length() - 1
+    lane = cute.arch.lane_idx()
+    for s in cutlass.range_constexpr(m):
+        half = n >> (s + 1)
+        offset = 16 >> s
+        upper = (lane & offset) != 0
+        for i in cutlass.range_constexpr(half):
+            send = cutlass.select_(upper, vals[i], vals[i + half])
+            keep = cutlass.select_(upper, vals[i + half], vals[i])
+            vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=offset)
+    total = vals[0]
+    for s in cutlass.range_constexpr(5 - m):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=(16 >> m) >> s)
+    return total
 
 
 def make_row_tma(m_rows: cute.Tensor, box_rows: int, box_cols: int):

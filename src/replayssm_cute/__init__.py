@@ -11,6 +11,6 @@ if (
 __version__ = "0.1.0"
 
 from .api import decode  # noqa: E402
-from .cache import Mamba2Cache  # noqa: E402
+from .cache import GDNCache, Mamba2Cache  # noqa: E402
 
-__all__ = ["decode", "Mamba2Cache", "__version__"]
+__all__ = ["decode", "GDNCache", "Mamba2Cache", "__version__"]

@@ -1,11 +1,17 @@
 """Public decode entry point: validation, then the CuTe DSL kernels (CUDA) or the reference (CPU).
 
-Argument conventions follow vLLM's ``selective_state_update``: ``x (b, H, P)``, ``dt`` raw
+``decode(cache, ...)`` dispatches on the cache type. Mamba-2 arguments follow vLLM's
+``selective_state_update``: ``x (b, H, P)``, ``dt`` raw
 ``(b, H)`` or its stride-0 expansion ``(b, H, P)``, ``A (H,)`` or ``(H, P, N)`` with strides
 ``(s, 0, 0)``, ``B, C (b, G, N)``, ``D`` / ``dt_bias`` ``(H,)`` or ``(H, P)`` with stride 0 on P,
 optional ``z (b, H, P)``, ``dt_softplus``, optional ``out``. Each row names its pool slot in
 ``slot_ids (b,)`` int32; rows whose slot is the cache's pad sentinel, or outside the pool, touch
 nothing (their ``out`` rows are left as they were).
+
+Gated DeltaNet arguments follow vLLM's / FlashInfer's GDN decode: raw ``q, k (b, H, K)``,
+``v (b, HV, V)`` (or the packed post-convolution ``mixed_qkv (b, 2 H K + HV V)`` = ``[q | k | v]``
+with any row stride), raw gates ``a, b (b, HV)``, ``A_log, dt_bias (HV,)``, optional ``scale``
+(default ``K ** -0.5``); the kernel L2-normalises q and k and forms the gates itself.
 
 Everything is checked before anything is written; nothing is cast behind the caller's back.
 Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates), which
@@ -19,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .cache import Mamba2Cache
+from .cache import GDNCache, Mamba2Cache
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -89,16 +95,47 @@ def debug_enabled() -> bool:
     return os.environ.get("REPLAYSSM_CUTE_DEBUG", "0") not in ("", "0")
 
 
-def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-           out=None, *, config=None):
-    """One decode step for a batch of rows; returns ``out`` (b, H, P) in x's dtype.
+def decode(cache, *args, **kwargs):
+    """One decode step for a batch of rows; returns ``out``.
 
-    ``cache`` is a :class:`Mamba2Cache`; window 1 is conventional decoding (state load, update,
-    store), window L > 1 is ReplaySSM standard decoding. ``config`` overrides the launch
-    configuration (a ``Mamba2Config``); by default the analytical choice for the batch size.
+    With a :class:`Mamba2Cache`::
+
+        decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+               out=None, *, config=None)  -> out (b, H, P)
+
+    With a :class:`GDNCache`::
+
+        decode(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None,
+               mixed_qkv=None, config=None)  -> out (b, HV, V)
+
+    (pass ``q = k = v = None`` and ``mixed_qkv`` for the packed layout). Window 1 is conventional
+    decoding (state load, update, store), window L > 1 is ReplaySSM standard decoding. ``config``
+    overrides the launch configuration (a ``Mamba2Config`` / ``GDNConfig``); by default the
+    analytical choice for the batch size.
     """
-    if not isinstance(cache, Mamba2Cache):
-        raise TypeError(f"decode: argument 'cache': expected a Mamba2Cache, got {type(cache).__name__}")
+    if isinstance(cache, Mamba2Cache):
+        return _decode_mamba2(cache, *args, **kwargs)
+    if isinstance(cache, GDNCache):
+        return _decode_gdn(cache, *args, **kwargs)
+    raise TypeError(f"decode: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
+
+
+def _slot_ids(slot_ids, b: int, device) -> torch.Tensor:
+    if not isinstance(slot_ids, torch.Tensor) or slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        _fail("slot_ids", f"an int32 tensor of shape ({b},)",
+              f"{getattr(slot_ids, 'dtype', type(slot_ids).__name__)} {tuple(getattr(slot_ids, 'shape', ()))}")
+    if slot_ids.device != device or not slot_ids.is_contiguous():
+        _fail("slot_ids", f"a contiguous tensor on {device}", f"{slot_ids.device}, strides {slot_ids.stride()}")
+    return slot_ids
+
+
+def _check_device(cache, device) -> None:
+    if device.type != "cuda":
+        _fail("cache", "a cache on a CUDA device or the CPU", device)
+
+
+def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   out=None, *, config=None):
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
     device = cache.checkpoint.device
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
@@ -127,11 +164,7 @@ def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_sof
     C = _activation("C", C, (b, G, N), act, device)
     if z is not None:
         z = _activation("z", z, (b, H, P), act, device)
-    if not isinstance(slot_ids, torch.Tensor) or slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
-        _fail("slot_ids", f"an int32 tensor of shape ({b},)",
-              f"{getattr(slot_ids, 'dtype', type(slot_ids).__name__)} {tuple(getattr(slot_ids, 'shape', ()))}")
-    if slot_ids.device != device or not slot_ids.is_contiguous():
-        _fail("slot_ids", f"a contiguous tensor on {device}", f"{slot_ids.device}, strides {slot_ids.stride()}")
+    slot_ids = _slot_ids(slot_ids, b, device)
     if out is None:
         out = torch.empty((b, H, P), dtype=act, device=device)
     else:
@@ -148,8 +181,7 @@ def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_sof
 
         return mamba2_decode_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
                                     dt_softplus=dt_softplus, out=out)
-    if device.type != "cuda":
-        _fail("cache", "a cache on a CUDA device or the CPU", device)
+    _check_device(cache, device)
 
     from .kernels_host import mamba2_decode_kernel
 
@@ -159,4 +191,89 @@ def decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_sof
     if cache.window == 1:
         ring = (None,) * 6
     kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, *ring)
+    return out
+
+
+def _gdn_param(name: str, t, HV: int, act, device) -> torch.Tensor:
+    """A_log / dt_bias: (HV,) packed, fp32 or the activation dtype (read as is, in fp32)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"a ({HV},) tensor", type(t).__name__)
+    if tuple(t.shape) != (HV,):
+        _fail(name, f"shape ({HV},)", tuple(t.shape))
+    if t.dtype not in (torch.float32, act):
+        _fail(name, f"dtype torch.float32 or {act}", t.dtype)
+    if t.device != device:
+        _fail(name, f"a tensor on {device}", t.device)
+    if HV > 1 and t.stride(0) != 1:
+        _fail(name, "one value per head, packed (head stride 1)", f"strides {t.stride()}")
+    return t
+
+
+def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
+    """Views q (b, H, K), k (b, H, K), v (b, HV, V) into vLLM's packed [q | k | v] rows."""
+    width = 2 * H * K + HV * V
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != width:
+        _fail("mixed_qkv", f"a (batch, {width}) tensor ([q | k | v] = 2 * {H} * {K} + {HV} * {V})",
+              getattr(mixed_qkv, "shape", type(mixed_qkv).__name__))
+    if mixed_qkv.dtype != act:
+        _fail("mixed_qkv", f"dtype {act} (the cache's activation dtype; no implicit casts)", mixed_qkv.dtype)
+    if mixed_qkv.device != device:
+        _fail("mixed_qkv", f"a tensor on {device}", mixed_qkv.device)
+    if mixed_qkv.shape[0] > 1 and mixed_qkv.stride(1) != 1:
+        _fail("mixed_qkv", "a packed last dim (stride 1); any row stride", f"strides {mixed_qkv.stride()}")
+    b, rs, off = mixed_qkv.shape[0], mixed_qkv.stride(0), mixed_qkv.storage_offset()
+    q = mixed_qkv.as_strided((b, H, K), (rs, K, 1), off)
+    k = mixed_qkv.as_strided((b, H, K), (rs, K, 1), off + H * K)
+    v = mixed_qkv.as_strided((b, HV, V), (rs, V, 1), off + 2 * H * K)
+    return q, k, v
+
+
+def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None,
+                *, scale=None, out=None, mixed_qkv=None, config=None):
+    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+    device = cache.checkpoint.device
+    act = cache.dtype
+    if mixed_qkv is not None:
+        if q is not None or k is not None or v is not None:
+            _fail("mixed_qkv", "q, k and v to be None when mixed_qkv is given", "both")
+        q, k, v = _split_mixed_qkv(mixed_qkv, H, K, HV, V, act, device)
+    if not isinstance(v, torch.Tensor) or v.dim() != 3:
+        _fail("v", f"a (batch, {HV}, {V}) tensor (or mixed_qkv)", getattr(v, "shape", type(v).__name__))
+    bsz = v.shape[0]
+    # Scalar loads on the GPU: any batch stride and alignment, inner dims packed.
+    q = _activation("q", q, (bsz, H, K), act, device, aligned=False)
+    k = _activation("k", k, (bsz, H, K), act, device, aligned=False)
+    v = _activation("v", v, (bsz, HV, V), act, device, aligned=False)
+    if not isinstance(a, torch.Tensor) or a.dtype not in (act, torch.float32):
+        _fail("a", f"a ({bsz}, {HV}) tensor of dtype {act} or torch.float32", getattr(a, "dtype", type(a).__name__))
+    a = _activation("a", a, (bsz, HV), a.dtype, device, aligned=False)
+    b = _activation("b", b, (bsz, HV), a.dtype, device, aligned=False)
+    A_log = _gdn_param("A_log", A_log, HV, act, device)
+    dt_bias = _gdn_param("dt_bias", dt_bias, HV, act, device)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        _fail("scale", "None or a positive float", scale)
+    slot_ids = _slot_ids(slot_ids, bsz, device)
+    if out is None:
+        out = torch.empty((bsz, HV, V), dtype=act, device=device)
+    else:
+        out = _activation("out", out, (bsz, HV, V), act, device, aligned=False)
+    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_slots(cache, slot_ids)
+    if bsz == 0:
+        return out
+
+    if device.type == "cpu":
+        from .reference import gdn_decode_cache_
+
+        return gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
+    _check_device(cache, device)
+
+    from .kernels_host import gdn_decode_kernel
+
+    kernel = gdn_decode_kernel(cache, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
+    ring = (cache.ring_u, cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta,
+            cache.cursor, cache.origin, cache.arrivals)
+    if cache.window == 1:
+        ring = (None,) * 8
+    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, *ring)
     return out

@@ -67,3 +67,52 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
             raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
         kernel = _fast[fast_key] = compile_mamba2(shape, cfg)
     return kernel
+
+
+def default_gdn_config(head_v_dim: int, batch: int, window: int):
+    """Analytical default until the autotuner has measured: small tiles at small batch, where
+    more CTAs per row hide latency; 32-row tiles otherwise so per-CTA work on the ring's keys is
+    amortised over more of the state."""
+    from .kernels.gdn.decode import GDNConfig
+
+    rows = 16 if batch <= 16 else 32
+    while head_v_dim % rows:
+        rows //= 2
+    return GDNConfig(rows_per_cta=rows, num_warps=max(1, min(4, rows // 4)))
+
+
+def gdn_shape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity, act_dtype,
+              gate_dtype, A_log_dtype, dt_bias_dtype, scale, keep_v_beta, pad_slot_id):
+    from .kernels.gdn.decode import GDNShape
+
+    return GDNShape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity,
+                    cute_dtype(act_dtype), cute_dtype(gate_dtype), cute_dtype(A_log_dtype),
+                    cute_dtype(dt_bias_dtype), float(scale or 0.0), keep_v_beta, pad_slot_id)
+
+
+def compile_gdn(shape, config):
+    """Compiled GDN kernel for (shape, config) from the memory / disk cache, building it on a miss."""
+    from .compile_cache import compile_options, get_compiled
+    from .kernels.gdn.decode import compile_decode
+
+    return get_compiled("gdn_decode", shape.key() + config.key(),
+                        lambda: compile_decode(shape, config, compile_options()))
+
+
+def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
+    """The callable for one GDN decode step of `cache` (memoised on a tensor-free tuple)."""
+    fast_key = ("gdn", cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
+                cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype,
+                scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        shape = gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
+                          cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
+                          dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
+        cfg = config if config is not None else default_gdn_config(cache.head_v_dim, batch, cache.window)
+        reason = cfg.check(shape)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
+        kernel = _fast[fast_key] = compile_gdn(shape, cfg)
+    return kernel

@@ -1,0 +1,488 @@
+"""Gated DeltaNet decode step: ReplaySSM standard decoding, with the conventional step as window 1.
+
+One kernel class serves both, as for Mamba-2. With window L > 1 it runs Algorithm 4 of the paper
+(replayssm.md section 3): each row reads its cursor h on the device; S k and S q of the state
+before the token are taken from the checkpoint in one pass plus the ring's records
+(``alpha S_h x = gamma (S_ckpt x) + sum_j w_j (k_j . x) u_j`` with every decay after record j in
+w_j), never forming the state; then ``u = beta (v - alpha S_h k)``, ``o = alpha S_h q + u (k . q)``.
+A non-flush row appends (u, k, g) and writes no state; a flushing row (h + 1 == L) folds its
+records and this token into the checkpoint tile it already holds in shared memory and stores it.
+With L == 1 every step is that flush of the current token alone: exactly the conventional fused
+step (L2 norm, gates, load, update, store), so the baseline shares the code and launch parameters.
+
+Grid: (head_v_dim // rows_per_cta, num_v_heads, batch). A CTA owns rows [i0, i0 + rows_per_cta)
+of one value head's (V, K) state for one batch row; warp w owns the rows_per_cta / num_warps rows
+that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); a lane holds
+`vec` consecutive elements of a state row along K. The dot products of a row (with k and with q)
+and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The last
+warp of a row to finish advances its cursor.
+
+Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
+
+| name        | shape             | dtype    | access | meaning                                     |
+|-------------|-------------------|----------|--------|---------------------------------------------|
+| checkpoint  | (S, HV, V, K)     | fp32     | R / W on flush | S_ckpt (the state when L = 1)       |
+| q, k        | (b, H, K)         | act      | R      | raw query / key; any batch stride (views into mixed_qkv) |
+| v           | (b, HV, V)        | act      | R      | value, any batch stride                     |
+| a, b        | (b, HV)           | gate     | R      | raw gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) |
+| A_log       | (HV,)             | param    | R      |                                             |
+| dt_bias     | (HV,)             | param    | R      |                                             |
+| slot_ids    | (b,)              | int32    | R      | pool slot per row; pad / out-of-range rows skip |
+| out         | (b, HV, V)        | act      | W      | o (pad rows left untouched)                 |
+| ring_u      | (S, cap, HV, V)   | fp16     | R / W  | record u (L > 1 only)                       |
+| ring_k      | (S, cap, H, K)    | act      | R / W  | record key, L2-normalised, once per key head|
+| ring_g      | (S, cap, HV)      | fp32     | R / W  | record log decay g                          |
+| ring_v      | (S, cap, HV, V)   | act      | W, optional | record v (two-precision caches)        |
+| ring_beta   | (S, cap, HV)      | fp32     | W, optional | record beta                            |
+| cursor      | (S,)              | int32    | R / W  | committed records h                         |
+| origin      | (S,)              | int32    | R      | ring index of record 0                      |
+| arrivals    | (S,)              | int32    | R / W  | zero between steps; the last warp of a row advances the cursor |
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Type
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..common import issue_tile_loads, make_row_tma, softplus, warp_reduce_many
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """Everything static about one GDN layer's decode: dims, window, dtypes, q scale, options."""
+
+    num_v_heads: int
+    head_v_dim: int
+    head_k_dim: int
+    num_k_heads: int
+    window: int
+    capacity: int
+    act_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
+    gate_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
+    A_log_dtype: Type[cutlass.Numeric] = cutlass.Float32
+    dt_bias_dtype: Type[cutlass.Numeric] = cutlass.Float32
+    scale: float = 0.0  # q scale; 0 means head_k_dim ** -0.5
+    keep_v_beta: bool = False
+    pad_slot_id: int = -1
+
+    @property
+    def q_scale(self) -> float:
+        return self.scale if self.scale else self.head_k_dim ** -0.5
+
+    @property
+    def k_vec(self) -> int:
+        """Elements of a K row per lane: the smallest power of two that fits K in 32 lanes."""
+        return _pow2_at_least(-(-self.head_k_dim // 32))
+
+    def key(self):
+        return (self.num_v_heads, self.head_v_dim, self.head_k_dim, self.num_k_heads, self.window,
+                self.capacity, self.act_dtype.__name__, self.gate_dtype.__name__,
+                self.A_log_dtype.__name__, self.dt_bias_dtype.__name__, float(self.scale),
+                self.keep_v_beta, self.pad_slot_id)
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    """Launch configuration: rows_per_cta divides head_v_dim; num_warps divides rows_per_cta and
+    each warp's rows (a power of two up to 16) arrive as one TMA stage with its own mbarrier."""
+
+    rows_per_cta: int = 16
+    num_warps: int = 4
+    min_ctas_per_sm: int = 0  # > 0 caps registers so this many CTAs fit on an SM
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.rows_per_cta // self.num_warps
+
+    def records_per_warp(self, window: int) -> int:
+        return -(-window // self.num_warps)
+
+    def record_dot_values(self, window: int) -> int:
+        """Values a warp reduces for its record keys (k_j . k and k_j . q each), a power of two."""
+        return _pow2_at_least(2 * self.records_per_warp(window))
+
+    def key(self):
+        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
+
+    def check(self, shape: GDNShape) -> Optional[str]:
+        """None if valid for `shape`, else the reason."""
+        V, K = shape.head_v_dim, shape.head_k_dim
+        if K % 16 or not 16 <= K <= 256 or V % 16 or not 16 <= V <= 256:
+            return f"head dims (V {V}, K {K}): the kernel needs multiples of 16 up to 256"
+        if shape.num_v_heads % shape.num_k_heads:
+            return f"num_v_heads {shape.num_v_heads} is not a multiple of num_k_heads {shape.num_k_heads}"
+        if self.num_warps < 1 or self.rows_per_cta % self.num_warps:
+            return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
+        if V % self.rows_per_cta:
+            return f"rows_per_cta {self.rows_per_cta} does not divide head_v_dim {V}"
+        rw = self.rows_per_warp
+        if rw & (rw - 1) or rw > 16:
+            return f"rows per warp {rw}: must be a power of two up to 16"
+        if shape.window > 32:
+            return "window above 32 (one lane per record)"
+        if 2 * self.records_per_warp(shape.window) > 32:
+            return f"{self.num_warps} warps are too few for window {shape.window} (16 record keys per warp at most)"
+        return None
+
+
+class GDNDecode:
+    """One decode step of a Gated DeltaNet layer over a pool of slots (see module docstring)."""
+
+    def __init__(self, shape: GDNShape, config: GDNConfig):
+        reason = config.check(shape)
+        if reason is not None:
+            raise ValueError(f"GDNConfig {config} invalid for {shape}: {reason}")
+        self.shape = shape
+        self.config = config
+
+    def smem_bytes(self) -> int:
+        c = self.config
+        return c.rows_per_cta * self.shape.head_k_dim * 4 + 8 * self.shape.window + 8 * c.num_warps + 384
+
+    @cute.jit
+    def __call__(
+        self,
+        mCheckpoint: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingU: Optional[cute.Tensor],
+        mRingK: Optional[cute.Tensor],
+        mRingG: Optional[cute.Tensor],
+        mRingV: Optional[cute.Tensor],
+        mRingBeta: Optional[cute.Tensor],
+        mCursor: Optional[cute.Tensor],
+        mOrigin: Optional[cute.Tensor],
+        mArrivals: Optional[cute.Tensor],
+        stream,
+    ):
+        s, c = self.shape, self.config
+        HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
+        # The checkpoint as (slots * HV * V, K) rows so a TMA box is one warp's state rows.
+        mRows = cute.make_tensor(
+            mCheckpoint.iterator,
+            cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
+        )
+        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
+        self.kernel(
+            tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
+            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals,
+        ).launch(
+            grid=[V // c.rows_per_cta, HV, mV.shape[0]],
+            block=[32 * c.num_warps, 1, 1],
+            smem=self.smem_bytes(),
+            stream=stream,
+            min_blocks_per_mp=c.min_ctas_per_sm,
+            preferred_smem_carveout=100,  # the checkpoint tiles in flight live in shared memory
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom: cute.CopyAtom,
+        mRowsTma: cute.Tensor,
+        mCheckpoint: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingU: Optional[cute.Tensor],
+        mRingK: Optional[cute.Tensor],
+        mRingG: Optional[cute.Tensor],
+        mRingV: Optional[cute.Tensor],
+        mRingBeta: Optional[cute.Tensor],
+        mCursor: Optional[cute.Tensor],
+        mOrigin: Optional[cute.Tensor],
+        mArrivals: Optional[cute.Tensor],
+    ):
+        # Warp-centric, as the Mamba-2 kernel: lane j owns record j's scalars (g_j, its weight
+        # w_j); lane r owns state row i_warp + r's scalars (v, u, the ring sums, the output);
+        # all lanes split each K-long row. Records and rows meet through shuffles and a small
+        # shared table of w_j (k_j . k), w_j (k_j . q); nothing goes to local memory.
+        s, c = self.shape, self.config
+        HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
+        R, W = c.rows_per_cta, c.num_warps
+        RW = R // W
+        vec = s.k_vec
+        KL = K // vec  # lanes that hold part of a K row
+        JC = next(k for k in (8, 4, 2, 1) if L % k == 0)  # records folded per pass
+        RPW = c.records_per_warp(L)  # ring keys dotted per warp
+        rep = HV // H
+        act = s.act_dtype
+
+        tidx, _, _ = cute.arch.thread_idx()
+        ptile, vhead, row = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = cute.arch.lane_idx()
+
+        slot = mSlot[row]
+        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
+        if cutlass.const_expr(s.pad_slot_id == 0):
+            valid = valid & (slot != 0)
+
+        if valid:
+            slot64 = Int64(slot)
+            khead = vhead // rep
+            i_warp = ptile * R + warp * RW  # first state row of this warp
+
+            smem = SmemAllocator()
+            sState = smem.allocate_tensor(
+                Float32, cute.make_layout((RW, K, W), stride=(K, 1, RW * K)), byte_alignment=128
+            )
+            mbar = smem.allocate_array(Int64, W, byte_alignment=8)
+            # Per record j: w_j (k_j . k) and w_j (k_j . q), shared by the CTA's warps.
+            sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, L), stride=(1, 2)), byte_alignment=16)
+            if tidx == 0:
+                for st in cutlass.range_constexpr(W):
+                    cute.arch.mbarrier_init(mbar + st, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if warp == 0:
+                first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
+                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
+
+            h = Int32(0)
+            origin = Int32(0)
+            if cutlass.const_expr(L > 1):
+                h = mCursor[slot]
+                origin = mOrigin[slot]
+            flush = h + 1 == L
+            pos_h = (origin + h) % cap  # where this token's record goes
+
+            # q and k of the key head, L2-normalised in fp32; q scaled. Scalar loads: any stride.
+            rK = cute.make_rmem_tensor((vec,), Float32)
+            rQ = cute.make_rmem_tensor((vec,), Float32)
+            rK.fill(0.0)
+            rQ.fill(0.0)
+            if lane < KL:
+                for e in cutlass.range_constexpr(vec):
+                    rK[e] = mK[row, khead, lane * vec + e].to(Float32)
+                    rQ[e] = mQ[row, khead, lane * vec + e].to(Float32)
+            rNorm = cute.make_rmem_tensor((4,), Float32)
+            rNorm.fill(0.0)
+            for e in cutlass.range_constexpr(vec):
+                rNorm[0] = rNorm[0] + rK[e] * rK[e]
+                rNorm[1] = rNorm[1] + rQ[e] * rQ[e]
+                rNorm[2] = rNorm[2] + rK[e] * rQ[e]
+            part = warp_reduce_many(rNorm, 4)  # lane 8 t holds total t
+            inv_k = cute.math.rsqrt(cute.arch.shuffle_sync(part, 0) + Float32(1e-6))
+            inv_q = cute.math.rsqrt(cute.arch.shuffle_sync(part, 8) + Float32(1e-6)) * Float32(s.q_scale)
+            kq = cute.arch.shuffle_sync(part, 16) * inv_k * inv_q
+            for e in cutlass.range_constexpr(vec):
+                rK[e] = rK[e] * inv_k
+                rQ[e] = rQ[e] * inv_q
+
+            g = -cute.math.exp(mALog[vhead].to(Float32), fastmath=False) * softplus(
+                mA[row, vhead].to(Float32) + mDtBias[vhead].to(Float32))
+            beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mB[row, vhead].to(Float32), fastmath=False))
+
+            # Lane j: g_j of record j < h, this token's g at lane h. The weight of record j in
+            # alpha S_h (and in the folded state) is exp(sum of the g after it, this token's
+            # included): a reversed inclusive scan across lanes.
+            g_j = cutlass.select_(lane == h, g, Float32(0.0))
+            if cutlass.const_expr(L > 1):
+                if lane < h:
+                    g_j = mRingG[slot64, (origin + lane) % cap, vhead]
+            tail = g_j
+            for t in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_down(tail, 1 << t)
+                if lane + (1 << t) < 32:
+                    tail = tail + other
+            w_j = cute.math.exp(tail - g_j, fastmath=False)
+            gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+            if cutlass.const_expr(L > 1):
+                # k_j . k and k_j . q once per CTA: warp w takes records w, w + W, ...
+                n_rec = c.record_dot_values(L)
+                rDot = cute.make_rmem_tensor((n_rec,), Float32)
+                rDot.fill(0.0)
+                for jj in cutlass.range_constexpr(RPW):
+                    j = jj * W + warp
+                    if j < h:
+                        if lane < KL:
+                            for e in cutlass.range_constexpr(vec):
+                                kj = mRingK[slot64, (origin + j) % cap, khead, lane * vec + e].to(Float32)
+                                rDot[2 * jj] = rDot[2 * jj] + kj * rK[e]
+                                rDot[2 * jj + 1] = rDot[2 * jj + 1] + kj * rQ[e]
+                dot = warp_reduce_many(rDot, n_rec)
+                idx = lane >> (5 - (n_rec.bit_length() - 1))
+                j_dot = (idx // 2) * W + warp
+                w_dot = cute.arch.shuffle_sync(w_j, cutlass.min(j_dot, Int32(31)))
+                if lane % (32 // n_rec) == 0 and idx < 2 * RPW and j_dot < h:
+                    sCoef[idx % 2, j_dot] = w_dot * dot
+                if not flush:
+                    # Append this token's key (once per key head) and decay (once per value head).
+                    if ptile == 0 and warp == 0:
+                        if vhead % rep == 0 and lane < KL:
+                            for e in cutlass.range_constexpr(vec):
+                                mRingK[slot64, pos_h, khead, lane * vec + e] = rK[e].to(act)
+                        if lane == 0:
+                            mRingG[slot64, pos_h, vhead] = g
+                            if cutlass.const_expr(s.keep_v_beta):
+                                mRingBeta[slot64, pos_h, vhead] = beta
+                cute.arch.sync_threads()
+
+            # Lane r (mod RW) owns row i = i_warp + r: v and the ring sums sum_j coef_j u_j[i].
+            lr = lane % RW
+            i_row = i_warp + lr
+            v_raw = mV[row, vhead, i_row]
+            ring_k = Float32(0.0)
+            ring_q = Float32(0.0)
+            if cutlass.const_expr(L > 1):
+                for j in cutlass.range_constexpr(L - 1):
+                    if j < h:
+                        u_j = mRingU[slot64, (origin + j) % cap, vhead, i_row].to(Float32)
+                        ring_k = ring_k + sCoef[0, j] * u_j
+                        ring_q = ring_q + sCoef[1, j] * u_j
+
+            # One pass over the checkpoint tile: S_ckpt k and S_ckpt q for each of the warp's rows.
+            cute.arch.mbarrier_wait(mbar + warp, 0)
+            rRows = cute.make_rmem_tensor((2 * RW,), Float32)
+            rRows.fill(0.0)
+            if lane < KL:
+                for r in cutlass.range_constexpr(RW):
+                    rS = cute.make_rmem_tensor((vec,), Float32)
+                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                    for e in cutlass.range_constexpr(vec):
+                        rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
+                        rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+            rows = warp_reduce_many(rRows, 2 * RW)
+            shift = 5 - (2 * RW).bit_length() + 1
+            s_k = cute.arch.shuffle_sync(rows, (2 * lr) << shift)
+            s_q = cute.arch.shuffle_sync(rows, (2 * lr + 1) << shift)
+
+            u = beta * (v_raw.to(Float32) - (gamma * s_k + ring_k))
+            if lane < RW:
+                mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
+                if cutlass.const_expr(L > 1):
+                    if not flush:
+                        mRingU[slot64, pos_h, vhead, i_row] = u.to(cutlass.Float16)
+                        if cutlass.const_expr(s.keep_v_beta):
+                            mRingV[slot64, pos_h, vhead, i_row] = v_raw
+
+            if flush:
+                # Fold in place in shared memory, JC records per pass (their keys in registers),
+                # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j.
+                for jc in cutlass.range(L // JC):
+                    rKc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
+                    rCoef = cute.make_rmem_tensor((JC,), Float32)
+                    for jj in cutlass.range_constexpr(JC):
+                        j_fold = jc * JC + jj
+                        w = cute.arch.shuffle_sync(w_j, j_fold)
+                        if cutlass.const_expr(L == 1):
+                            for e in cutlass.range_constexpr(vec):
+                                rKc[jj, e] = rK[e]
+                            rCoef[jj] = w * u
+                        else:
+                            if j_fold == L - 1:
+                                for e in cutlass.range_constexpr(vec):
+                                    rKc[jj, e] = rK[e]
+                                rCoef[jj] = w * u
+                            else:
+                                pos = (origin + j_fold) % cap
+                                if lane < KL:
+                                    for e in cutlass.range_constexpr(vec):
+                                        rKc[jj, e] = mRingK[slot64, pos, khead, lane * vec + e].to(Float32)
+                                rCoef[jj] = w * mRingU[slot64, pos, vhead, i_row].to(Float32)
+                    scale = cutlass.select_(jc == 0, gamma, Float32(1.0))
+                    last = jc == L // JC - 1
+                    for r in cutlass.range(RW, unroll=2):
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
+                        if lane < KL:
+                            cute.autovec_copy(tS, rS)
+                        for e in cutlass.range_constexpr(vec):
+                            rS[e] = scale * rS[e]
+                        for jj in cutlass.range_constexpr(JC):
+                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
+                            for e in cutlass.range_constexpr(vec):
+                                rS[e] = rS[e] + coef * rKc[jj, e]
+                        if lane < KL:
+                            if last:
+                                cute.autovec_copy(rS, cute.local_tile(
+                                    mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
+                            else:
+                                cute.autovec_copy(rS, tS)
+
+            if cutlass.const_expr(L > 1):
+                # The last warp of this row to finish advances the cursor: every warp has used h by
+                # then. Per-warp arrivals need no CTA barrier; acq_rel orders the reads before.
+                if lane == 0:
+                    done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
+                    if done == HV * (V // R) * W - 1:
+                        next_h = h + 1
+                        if flush:
+                            next_h = Int32(0)
+                        mCursor[slot] = next_h
+                        mArrivals[slot] = Int32(0)
+
+
+def _fake_inputs(shape: GDNShape):
+    """Fake tensors with symbolic batch and slot dims, matching what the API passes: activation
+    rows take any batch stride (q, k, v may be views into vLLM's packed mixed_qkv)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    HV, V, K, H, cap = shape.num_v_heads, shape.head_v_dim, shape.head_k_dim, shape.num_k_heads, shape.capacity
+    act = shape.act_dtype
+    batch, slots = cute.sym_int(), cute.sym_int()
+
+    def compact(dtype, dims, align=16):
+        return make_fake_compact_tensor(dtype, dims, stride_order=tuple(reversed(range(len(dims)))),
+                                        assumed_align=align)
+
+    def rows(dtype, inner):
+        strides, step = [], 1
+        for d in reversed(inner):
+            strides.insert(0, step)
+            step *= d
+        return make_fake_tensor(dtype, (batch,) + tuple(inner), (cute.sym_int64(),) + tuple(strides),
+                                assumed_align=dtype.width // 8)
+
+    replay = shape.window > 1
+    keep = replay and shape.keep_v_beta
+    return dict(
+        mCheckpoint=compact(Float32, (slots, HV, V, K)),
+        mQ=rows(act, (H, K)),
+        mK=rows(act, (H, K)),
+        mV=rows(act, (HV, V)),
+        mA=rows(shape.gate_dtype, (HV,)),
+        mB=rows(shape.gate_dtype, (HV,)),
+        mALog=compact(shape.A_log_dtype, (HV,), align=4),
+        mDtBias=compact(shape.dt_bias_dtype, (HV,), align=4),
+        mSlot=compact(Int32, (batch,), align=4),
+        mOut=rows(act, (HV, V)),
+        mRingU=compact(cutlass.Float16, (slots, cap, HV, V)) if replay else None,
+        mRingK=compact(act, (slots, cap, H, K)) if replay else None,
+        mRingG=compact(Float32, (slots, cap, HV)) if replay else None,
+        mRingV=compact(act, (slots, cap, HV, V)) if keep else None,
+        mRingBeta=compact(Float32, (slots, cap, HV)) if keep else None,
+        mCursor=compact(Int32, (slots,), align=4) if replay else None,
+        mOrigin=compact(Int32, (slots,), align=4) if replay else None,
+        mArrivals=compact(Int32, (slots,), align=4) if replay else None,
+    )
+
+
+def compile_decode(shape: GDNShape, config: GDNConfig, options: str):
+    """Compile with `options` (TVM-FFI and the target arch); the entry point launches on the
+    caller's current CUDA stream, so CUDA-graph capture records it."""
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    args = _fake_inputs(shape)
+    return cute.compile(GDNDecode(shape, config), *args.values(), stream, options=options)
