@@ -144,7 +144,9 @@ class GDNDecode:
 
     def smem_bytes(self) -> int:
         c = self.config
-        return c.rows_per_cta * self.shape.head_k_dim * 4 + 8 * self.shape.window + 8 * c.num_warps + 384
+        s = self.shape
+        return (c.rows_per_cta * s.head_k_dim * 4 + 8 * s.window + s.window * s.head_k_dim * s.act_dtype.width // 8
+                + 8 * c.num_warps + 512)
 
     @cute.jit
     def __call__(
@@ -250,6 +252,8 @@ class GDNDecode:
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
             # Per record j: w_j (k_j . k) and w_j (k_j . q), shared by the CTA's warps.
             sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, L), stride=(1, 2)), byte_alignment=16)
+            # The keys of records 0..L-2, staged once so a flush folds without another load.
+            sKeys = smem.allocate_tensor(act, cute.make_layout((L, K), stride=(K, 1)), byte_alignment=16)
             if tidx == 0:
                 for st in cutlass.range_constexpr(W):
                     cute.arch.mbarrier_init(mbar + st, 1)
@@ -266,6 +270,18 @@ class GDNDecode:
                 origin = mOrigin[slot]
             flush = h + 1 == L
             pos_h = (origin + h) % cap  # where this token's record goes
+
+            # Lane r (mod RW) owns row i = i_warp + r: its v and the u_j[i] of the records, loaded
+            # first so their latency overlaps the rest of the set-up.
+            lr = lane % RW
+            i_row = i_warp + lr
+            v_raw = mV[row, vhead, i_row]
+            rU = cute.make_rmem_tensor((max(L - 1, 1),), Float32)
+            rU.fill(0.0)
+            if cutlass.const_expr(L > 1):
+                for j in cutlass.range_constexpr(L - 1):
+                    if j < h:
+                        rU[j] = mRingU[slot64, (origin + j) % cap, vhead, i_row].to(Float32)
 
             # q and k of the key head, L2-normalised in fp32; q scaled. Scalar loads: any stride.
             rK = cute.make_rmem_tensor((vec,), Float32)
@@ -318,10 +334,13 @@ class GDNDecode:
                     j = jj * W + warp
                     if j < h:
                         if lane < KL:
+                            rKj = cute.make_rmem_tensor((vec,), act)
                             for e in cutlass.range_constexpr(vec):
-                                kj = mRingK[slot64, (origin + j) % cap, khead, lane * vec + e].to(Float32)
-                                rDot[2 * jj] = rDot[2 * jj] + kj * rK[e]
-                                rDot[2 * jj + 1] = rDot[2 * jj + 1] + kj * rQ[e]
+                                rKj[e] = mRingK[slot64, (origin + j) % cap, khead, lane * vec + e]
+                            cute.autovec_copy(rKj, cute.local_tile(sKeys[j, None], (vec,), (lane,)))
+                            for e in cutlass.range_constexpr(vec):
+                                rDot[2 * jj] = rDot[2 * jj] + rKj[e].to(Float32) * rK[e]
+                                rDot[2 * jj + 1] = rDot[2 * jj + 1] + rKj[e].to(Float32) * rQ[e]
                 dot = warp_reduce_many(rDot, n_rec)
                 idx = lane >> (5 - (n_rec.bit_length() - 1))
                 j_dot = (idx // 2) * W + warp
@@ -340,18 +359,14 @@ class GDNDecode:
                                 mRingBeta[slot64, pos_h, vhead] = beta
                 cute.arch.sync_threads()
 
-            # Lane r (mod RW) owns row i = i_warp + r: v and the ring sums sum_j coef_j u_j[i].
-            lr = lane % RW
-            i_row = i_warp + lr
-            v_raw = mV[row, vhead, i_row]
+            # The ring sums of this lane's row: sum_j w_j (k_j . x) u_j[i] for x = k, q.
             ring_k = Float32(0.0)
             ring_q = Float32(0.0)
             if cutlass.const_expr(L > 1):
                 for j in cutlass.range_constexpr(L - 1):
                     if j < h:
-                        u_j = mRingU[slot64, (origin + j) % cap, vhead, i_row].to(Float32)
-                        ring_k = ring_k + sCoef[0, j] * u_j
-                        ring_q = ring_q + sCoef[1, j] * u_j
+                        ring_k = ring_k + sCoef[0, j] * rU[j]
+                        ring_q = ring_q + sCoef[1, j] * rU[j]
 
             # One pass over the checkpoint tile: S_ckpt k and S_ckpt q for each of the warp's rows.
             cute.arch.mbarrier_wait(mbar + warp, 0)
@@ -381,42 +396,38 @@ class GDNDecode:
             if flush:
                 # Fold in place in shared memory, JC records per pass (their keys in registers),
                 # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j.
-                for jc in cutlass.range(L // JC):
+                # Keys come from sKeys and u_j from registers: no load waits once the tile is in.
+                for jc in cutlass.range_constexpr(L // JC):
                     rKc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
                     rCoef = cute.make_rmem_tensor((JC,), Float32)
                     for jj in cutlass.range_constexpr(JC):
                         j_fold = jc * JC + jj
                         w = cute.arch.shuffle_sync(w_j, j_fold)
-                        if cutlass.const_expr(L == 1):
+                        if cutlass.const_expr(j_fold == L - 1):
                             for e in cutlass.range_constexpr(vec):
                                 rKc[jj, e] = rK[e]
                             rCoef[jj] = w * u
                         else:
-                            if j_fold == L - 1:
+                            if lane < KL:
+                                rKs = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sKeys[j_fold, None], (vec,), (lane,)), rKs)
                                 for e in cutlass.range_constexpr(vec):
-                                    rKc[jj, e] = rK[e]
-                                rCoef[jj] = w * u
-                            else:
-                                pos = (origin + j_fold) % cap
-                                if lane < KL:
-                                    for e in cutlass.range_constexpr(vec):
-                                        rKc[jj, e] = mRingK[slot64, pos, khead, lane * vec + e].to(Float32)
-                                rCoef[jj] = w * mRingU[slot64, pos, vhead, i_row].to(Float32)
-                    scale = cutlass.select_(jc == 0, gamma, Float32(1.0))
-                    last = jc == L // JC - 1
+                                    rKc[jj, e] = rKs[e].to(Float32)
+                            rCoef[jj] = w * rU[j_fold]
                     for r in cutlass.range(RW, unroll=2):
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
                         if lane < KL:
                             cute.autovec_copy(tS, rS)
-                        for e in cutlass.range_constexpr(vec):
-                            rS[e] = scale * rS[e]
+                        if cutlass.const_expr(jc == 0):
+                            for e in cutlass.range_constexpr(vec):
+                                rS[e] = gamma * rS[e]
                         for jj in cutlass.range_constexpr(JC):
                             coef = cute.arch.shuffle_sync(rCoef[jj], r)
                             for e in cutlass.range_constexpr(vec):
                                 rS[e] = rS[e] + coef * rKc[jj, e]
                         if lane < KL:
-                            if last:
+                            if cutlass.const_expr(jc == L // JC - 1):
                                 cute.autovec_copy(rS, cute.local_tile(
                                     mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
                             else:
