@@ -125,10 +125,10 @@ class GDNConfig:
         rw = self.rows_per_warp
         if rw & (rw - 1) or rw > 16:
             return f"rows per warp {rw}: must be a power of two up to 16"
-        if shape.window > 32:
-            return "window above 32 (one lane per record)"
-        if 2 * self.records_per_warp(shape.window) > 32:
-            return f"{self.num_warps} warps are too few for window {shape.window} (16 record keys per warp at most)"
+        if shape.capacity > 32:
+            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if 2 * self.records_per_warp(shape.capacity) > 32:
+            return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
         return None
 
 
@@ -145,7 +145,7 @@ class GDNDecode:
     def smem_bytes(self) -> int:
         c = self.config
         s = self.shape
-        return (c.rows_per_cta * s.head_k_dim * 4 + 8 * s.window + s.window * s.head_k_dim * s.act_dtype.width // 8
+        return (c.rows_per_cta * s.head_k_dim * 4 + 8 * s.capacity + s.capacity * s.head_k_dim * s.act_dtype.width // 8
                 + 8 * c.num_warps + 512)
 
     @cute.jit
@@ -225,8 +225,8 @@ class GDNDecode:
         RW = R // W
         vec = s.k_vec
         KL = K // vec  # lanes that hold part of a K row
-        JC = next(k for k in (8, 4, 2, 1) if L % k == 0)  # records folded per pass
-        RPW = c.records_per_warp(L)  # ring keys dotted per warp
+        JC = 4  # records folded per pass
+        RPW = c.records_per_warp(cap)  # ring positions whose keys a warp loads
         rep = HV // H
         act = s.act_dtype
 
@@ -251,9 +251,9 @@ class GDNDecode:
             )
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
             # Per record j: w_j (k_j . k) and w_j (k_j . q), shared by the CTA's warps.
-            sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, L), stride=(1, 2)), byte_alignment=16)
-            # The keys of records 0..L-2, staged once so a flush folds without another load.
-            sKeys = smem.allocate_tensor(act, cute.make_layout((L, K), stride=(K, 1)), byte_alignment=16)
+            sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, cap), stride=(1, 2)), byte_alignment=16)
+            # The keys at every ring position, staged once so a flush folds without another load.
+            sKeys = smem.allocate_tensor(act, cute.make_layout((cap, K), stride=(K, 1)), byte_alignment=16)
             if tidx == 0:
                 for st in cutlass.range_constexpr(W):
                     cute.arch.mbarrier_init(mbar + st, 1)
@@ -263,25 +263,40 @@ class GDNDecode:
                 first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
                 issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
 
+            # The ring is read by physical position p (record (p - origin) mod cap), every
+            # position, so these loads wait only on the slot, not on the cursor; record order is
+            # restored with shuffles once the cursor arrives. Reading the whole ring costs
+            # (cap - h) records of extra bytes but saves a dependent load under full bandwidth.
             h = Int32(0)
             origin = Int32(0)
+            g_phys = Float32(0.0)  # lane p: g at position p
             if cutlass.const_expr(L > 1):
                 h = mCursor[slot]
                 origin = mOrigin[slot]
+                g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + 1 == L
             pos_h = (origin + h) % cap  # where this token's record goes
 
-            # Lane r (mod RW) owns row i = i_warp + r: its v and the u_j[i] of the records, loaded
-            # first so their latency overlaps the rest of the set-up.
+            # Lane r (mod RW) owns row i = i_warp + r: its v and u_p[i] at every position p.
             lr = lane % RW
             i_row = i_warp + lr
             v_raw = mV[row, vhead, i_row]
-            rU = cute.make_rmem_tensor((max(L - 1, 1),), Float32)
-            rU.fill(0.0)
+            rU = cute.make_rmem_tensor((cap,), Float32)
             if cutlass.const_expr(L > 1):
-                for j in cutlass.range_constexpr(L - 1):
-                    if j < h:
-                        rU[j] = mRingU[slot64, (origin + j) % cap, vhead, i_row].to(Float32)
+                for p in cutlass.range_constexpr(cap):
+                    rU[p] = mRingU[slot64, p, vhead, i_row].to(Float32)
+
+            # Keys at every position, staged in shared memory for the fold: warp w takes p = w,
+            # w + W, ...; its lanes split K.
+            if cutlass.const_expr(L > 1):
+                rKring = cute.make_rmem_tensor(cute.make_layout((RPW, vec), stride=(vec, 1)), act)
+                if lane < KL:
+                    for pp in cutlass.range_constexpr(RPW):
+                        if cutlass.const_expr(pp * W < cap):
+                            p_key = pp * W + warp
+                            if p_key < cap:
+                                for e in cutlass.range_constexpr(vec):
+                                    rKring[pp, e] = mRingK[slot64, p_key, khead, lane * vec + e]
 
             # q and k of the key head, L2-normalised in fp32; q scaled. Scalar loads: any stride.
             rK = cute.make_rmem_tensor((vec,), Float32)
@@ -315,8 +330,9 @@ class GDNDecode:
             # included): a reversed inclusive scan across lanes.
             g_j = cutlass.select_(lane == h, g, Float32(0.0))
             if cutlass.const_expr(L > 1):
+                g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
                 if lane < h:
-                    g_j = mRingG[slot64, (origin + lane) % cap, vhead]
+                    g_j = g_rec
             tail = g_j
             for t in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_down(tail, 1 << t)
@@ -326,27 +342,27 @@ class GDNDecode:
             gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
             if cutlass.const_expr(L > 1):
-                # k_j . k and k_j . q once per CTA: warp w takes records w, w + W, ...
-                n_rec = c.record_dot_values(L)
+                # k_p . k and k_p . q once per CTA for the warp's positions; the CTA shares
+                # w_j (k_p . x) per position p (zero where p holds no committed record).
+                n_rec = c.record_dot_values(cap)
                 rDot = cute.make_rmem_tensor((n_rec,), Float32)
                 rDot.fill(0.0)
-                for jj in cutlass.range_constexpr(RPW):
-                    j = jj * W + warp
-                    if j < h:
-                        if lane < KL:
-                            rKj = cute.make_rmem_tensor((vec,), act)
-                            for e in cutlass.range_constexpr(vec):
-                                rKj[e] = mRingK[slot64, (origin + j) % cap, khead, lane * vec + e]
-                            cute.autovec_copy(rKj, cute.local_tile(sKeys[j, None], (vec,), (lane,)))
-                            for e in cutlass.range_constexpr(vec):
-                                rDot[2 * jj] = rDot[2 * jj] + rKj[e].to(Float32) * rK[e]
-                                rDot[2 * jj + 1] = rDot[2 * jj + 1] + rKj[e].to(Float32) * rQ[e]
+                if lane < KL:
+                    for pp in cutlass.range_constexpr(RPW):
+                        if cutlass.const_expr(pp * W < cap):
+                            p_key = pp * W + warp
+                            if p_key < cap:
+                                cute.autovec_copy(rKring[pp, None], cute.local_tile(sKeys[p_key, None], (vec,), (lane,)))
+                                for e in cutlass.range_constexpr(vec):
+                                    rDot[2 * pp] = rDot[2 * pp] + rKring[pp, e].to(Float32) * rK[e]
+                                    rDot[2 * pp + 1] = rDot[2 * pp + 1] + rKring[pp, e].to(Float32) * rQ[e]
                 dot = warp_reduce_many(rDot, n_rec)
                 idx = lane >> (5 - (n_rec.bit_length() - 1))
-                j_dot = (idx // 2) * W + warp
-                w_dot = cute.arch.shuffle_sync(w_j, cutlass.min(j_dot, Int32(31)))
-                if lane % (32 // n_rec) == 0 and idx < 2 * RPW and j_dot < h:
-                    sCoef[idx % 2, j_dot] = w_dot * dot
+                p_dot = (idx // 2) * W + warp
+                j_dot = (p_dot - origin + cap) % cap  # the record at position p_dot
+                w_dot = cute.arch.shuffle_sync(w_j, j_dot)
+                if lane % (32 // n_rec) == 0 and idx < 2 * RPW and p_dot < cap:
+                    sCoef[idx % 2, p_dot] = cutlass.select_(j_dot < h, w_dot * dot, Float32(0.0))
                 if not flush:
                     # Append this token's key (once per key head) and decay (once per value head).
                     if ptile == 0 and warp == 0:
@@ -363,10 +379,11 @@ class GDNDecode:
             ring_k = Float32(0.0)
             ring_q = Float32(0.0)
             if cutlass.const_expr(L > 1):
-                for j in cutlass.range_constexpr(L - 1):
-                    if j < h:
-                        ring_k = ring_k + sCoef[0, j] * rU[j]
-                        ring_q = ring_q + sCoef[1, j] * rU[j]
+                for p in cutlass.range_constexpr(cap):
+                    # select, not a zero weight: a stale position may hold any value.
+                    live_p = (p - origin + cap) % cap < h
+                    ring_k = ring_k + cutlass.select_(live_p, sCoef[0, p] * rU[p], Float32(0.0))
+                    ring_q = ring_q + cutlass.select_(live_p, sCoef[1, p] * rU[p], Float32(0.0))
 
             # One pass over the checkpoint tile: S_ckpt k and S_ckpt q for each of the warp's rows.
             cute.arch.mbarrier_wait(mbar + warp, 0)
@@ -394,26 +411,33 @@ class GDNDecode:
                             mRingV[slot64, pos_h, vhead, i_row] = v_raw
 
             if flush:
-                # Fold in place in shared memory, JC records per pass (their keys in registers),
-                # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j.
-                # Keys come from sKeys and u_j from registers: no load waits once the tile is in.
-                for jc in cutlass.range_constexpr(L // JC):
+                # Fold in place in shared memory, JC items per pass (their keys in registers),
+                # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j
+                # over this token (item 0) and the ring positions (items 1..cap; zero weight where
+                # a position holds no committed record). Keys come from sKeys and u from
+                # registers: no load waits once the tile is in.
+                n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
+                n_pass = (n_items + JC - 1) // JC
+                for jc in cutlass.range_constexpr(n_pass):
+                    items = min(JC, n_items - jc * JC)
                     rKc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
                     rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(JC):
-                        j_fold = jc * JC + jj
-                        w = cute.arch.shuffle_sync(w_j, j_fold)
-                        if cutlass.const_expr(j_fold == L - 1):
+                    for jj in cutlass.range_constexpr(items):
+                        item = jc * JC + jj
+                        if cutlass.const_expr(item == 0):
                             for e in cutlass.range_constexpr(vec):
                                 rKc[jj, e] = rK[e]
-                            rCoef[jj] = w * u
+                            rCoef[jj] = u  # the token's own weight is exp(0)
                         else:
+                            p_item = item - 1
+                            j_item = (p_item - origin + cap) % cap
+                            w = cute.arch.shuffle_sync(w_j, j_item)
                             if lane < KL:
                                 rKs = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sKeys[j_fold, None], (vec,), (lane,)), rKs)
+                                cute.autovec_copy(cute.local_tile(sKeys[p_item, None], (vec,), (lane,)), rKs)
                                 for e in cutlass.range_constexpr(vec):
                                     rKc[jj, e] = rKs[e].to(Float32)
-                            rCoef[jj] = w * rU[j_fold]
+                            rCoef[jj] = cutlass.select_(j_item < h, w * rU[p_item], Float32(0.0))
                     for r in cutlass.range(RW, unroll=2):
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
@@ -422,23 +446,24 @@ class GDNDecode:
                         if cutlass.const_expr(jc == 0):
                             for e in cutlass.range_constexpr(vec):
                                 rS[e] = gamma * rS[e]
-                        for jj in cutlass.range_constexpr(JC):
+                        for jj in cutlass.range_constexpr(items):
                             coef = cute.arch.shuffle_sync(rCoef[jj], r)
                             for e in cutlass.range_constexpr(vec):
                                 rS[e] = rS[e] + coef * rKc[jj, e]
                         if lane < KL:
-                            if cutlass.const_expr(jc == L // JC - 1):
+                            if cutlass.const_expr(jc == n_pass - 1):
                                 cute.autovec_copy(rS, cute.local_tile(
                                     mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
                             else:
                                 cute.autovec_copy(rS, tS)
 
             if cutlass.const_expr(L > 1):
-                # The last warp of this row to finish advances the cursor: every warp has used h by
-                # then. Per-warp arrivals need no CTA barrier; acq_rel orders the reads before.
-                if lane == 0:
+                # The last CTA of this row to finish advances the cursor: all its warps have used
+                # h by the barrier; one arrival per CTA keeps the counter's traffic low.
+                cute.arch.sync_threads()
+                if tidx == 0:
                     done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
-                    if done == HV * (V // R) * W - 1:
+                    if done == HV * (V // R) - 1:
                         next_h = h + 1
                         if flush:
                             next_h = Int32(0)

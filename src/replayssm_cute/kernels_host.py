@@ -70,15 +70,22 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
 
 
 def default_gdn_config(head_v_dim: int, batch: int, window: int):
-    """Analytical default until the autotuner has measured: small tiles at small batch, where
-    more CTAs per row hide latency; 32-row tiles otherwise so per-CTA work on the ring's keys is
-    amortised over more of the state."""
+    """Analytical default until the autotuner has measured (H200, scratch sweeps of this
+    kernel): 16-row tiles at batch <= 16, where more CTAs per row hide latency; otherwise 64-row
+    tiles with registers capped for 6 CTAs per SM (the most tiles in flight) for ReplaySSM, and
+    32-row tiles over 2 warps for the conventional step."""
     from .kernels.gdn.decode import GDNConfig
 
-    rows = 16 if batch <= 16 else 32
-    while head_v_dim % rows:
-        rows //= 2
-    return GDNConfig(rows_per_cta=rows, num_warps=max(1, min(4, rows // 4)))
+    if batch <= 16:
+        choices = [(16, 4, 0), (16, 2, 0)]
+    elif window > 1:
+        choices = [(64, 4, 6), (32, 2, 0), (16, 2, 0)]
+    else:
+        choices = [(32, 2, 0), (16, 2, 0)]
+    for rows, warps, ctas in choices:
+        if head_v_dim % rows == 0:
+            return GDNConfig(rows_per_cta=rows, num_warps=warps, min_ctas_per_sm=ctas)
+    return GDNConfig(rows_per_cta=16, num_warps=1)
 
 
 def gdn_shape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity, act_dtype,
