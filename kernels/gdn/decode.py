@@ -14,8 +14,10 @@ Grid: (head_v_dim // rows_per_cta, num_v_heads, batch). A CTA owns rows [i0, i0 
 of one value head's (V, K) state for one batch row; warp w owns the rows_per_cta / num_warps rows
 that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); a lane holds
 `vec` consecutive elements of a state row along K. The dot products of a row (with k and with q)
-and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The last
-warp of a row to finish advances its cursor.
+and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The ring
+is read at every physical position as soon as the slot is known (not after the cursor: under full
+bandwidth each dependent load costs microseconds of residency) and put in record order with
+shuffles. The last CTA of a row to finish advances its cursor.
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -36,7 +38,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | ring_beta   | (S, cap, HV)      | fp32     | W, optional | record beta                            |
 | cursor      | (S,)              | int32    | R / W  | committed records h                         |
 | origin      | (S,)              | int32    | R      | ring index of record 0                      |
-| arrivals    | (S,)              | int32    | R / W  | zero between steps; the last warp of a row advances the cursor |
+| arrivals    | (S,)              | int32    | R / W  | zero between steps; the last CTA of a row advances the cursor |
 """
 
 from dataclasses import dataclass

@@ -10,7 +10,10 @@ ReplaySSM share one code path and one set of launch parameters.
 Grid: (headdim // rows_per_cta, nheads, batch). A CTA owns rows [p0, p0 + rows_per_cta) of one
 head's (P, N) state for one batch row; warp w owns the consecutive rows_per_cta / num_warps rows
 that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); each lane holds
-N / 32 consecutive elements of a state row. The last warp of a row to finish advances its cursor.
+N / 32 consecutive elements of a state row. The ring is read at every physical position as soon as
+the slot is known (not after the cursor: under full bandwidth each dependent load costs
+microseconds of residency) and put in record order with shuffles. The last CTA of a row to finish
+advances its cursor.
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -42,7 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, softplus, warp_sum
+from ..common import issue_tile_loads, make_row_tma, softplus, warp_reduce_many, warp_sum
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,13 @@ class Mamba2Config:
     def rows_per_warp(self) -> int:
         return self.rows_per_cta // self.num_warps
 
+    def records_per_warp(self, capacity: int) -> int:
+        return -(-capacity // self.num_warps)
+
+    def record_dot_values(self, capacity: int) -> int:
+        """Values a warp reduces for its ring positions (B_p . C each), a power of two."""
+        return 1 << max(0, (self.records_per_warp(capacity) - 1).bit_length())
+
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
 
@@ -96,8 +106,8 @@ class Mamba2Config:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
         if self.rows_per_warp > 32:
             return "more than 32 rows per warp (a lane per row in the fold)"
-        if shape.window > 32:
-            return "window above 32 (one lane per record)"
+        if shape.capacity > 32:
+            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
         return None
 
 
@@ -113,8 +123,9 @@ class Mamba2Decode:
 
     def smem_bytes(self) -> int:
         c = self.config
-        return (c.rows_per_cta * self.shape.dstate + self.shape.window) * 4 \
-            + 8 * c.num_warps + 384
+        s = self.shape
+        return (c.rows_per_cta * s.dstate + s.capacity) * 4 + s.capacity * s.dstate * s.act_dtype.width // 8 \
+            + 8 * c.num_warps + 512
 
     @cute.jit
     def __call__(
@@ -189,7 +200,8 @@ class Mamba2Decode:
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
         RW = R // W
-        JC = next(k for k in (8, 4, 2, 1) if L % k == 0)  # records folded per pass
+        JC = 4  # records folded per pass
+        RPW = c.records_per_warp(cap)  # ring positions whose B a warp loads
         vec = N // 32
         heads_per_group = H // G
         act = s.act_dtype
@@ -214,7 +226,9 @@ class Mamba2Decode:
                 Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
             )
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
-            sBC = smem.allocate_tensor(Float32, cute.make_layout(L), byte_alignment=16)  # B_j . C
+            # Per ring position p: w_j (B_p . C) of its record, and B_p staged for the fold.
+            sBC = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)
+            sB = smem.allocate_tensor(act, cute.make_layout((cap, N), stride=(N, 1)), byte_alignment=16)
             if tidx == 0:
                 for st in cutlass.range_constexpr(W):
                     cute.arch.mbarrier_init(mbar + st, 1)
@@ -224,33 +238,52 @@ class Mamba2Decode:
                 first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
                 issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
 
+            # The ring is read by physical position p (record (p - origin) mod cap), every
+            # position, so these loads wait only on the slot, not on the cursor; record order is
+            # restored with shuffles once the cursor arrives. Reading the whole ring costs
+            # (cap - h) records of extra bytes but saves a dependent load under full bandwidth.
             h = Int32(0)
             origin = Int32(0)
+            dt_phys = Float32(0.0)  # lane p: dt at position p
             if cutlass.const_expr(L > 1):
                 h = mCursor[slot]
                 origin = mOrigin[slot]
+                dt_phys = mRingDt[slot64, lane % cap, head]
             flush = h + 1 == L
-            pos = (origin + lane) % cap  # ring index of this lane's record
             pos_h = (origin + h) % cap  # where this token's record goes
 
             # Lane r < RW owns state row p_warp + r for the per-row terms (loads coalesce).
             lr = lane % RW
             x_raw = mX[row, head, p_warp + lr]
             x_cur = x_raw.to(Float32)
+            rX = cute.make_rmem_tensor((cap,), Float32)  # x_p of this lane's row at every position
+            if cutlass.const_expr(L > 1):
+                for p in cutlass.range_constexpr(cap):
+                    rX[p] = mRingX[slot64, p, head, p_warp + lr].to(Float32)
+                # B at the warp's positions p = w, w + W, ...; staged in shared memory below.
+                rBring = cute.make_rmem_tensor(cute.make_layout((RPW, vec), stride=(vec, 1)), act)
+                for pp in cutlass.range_constexpr(RPW):
+                    if cutlass.const_expr(pp * W < cap):
+                        if pp * W + warp < cap:
+                            cute.autovec_copy(
+                                cute.local_tile(mRingB[slot64, pp * W + warp, group, None], (vec,), (lane,)),
+                                rBring[pp, None])
             rCa = cute.make_rmem_tensor((vec,), act)
             cute.autovec_copy(cute.local_tile(mC[row, group, None], (vec,), (lane,)), rCa)
+            rBa = cute.make_rmem_tensor((vec,), act)  # this token's B
+            cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBa)
 
             A = mA[head].to(Float32)
-            dt_j = Float32(0.0)
-            if lane == h:
-                dt_j = mDt[row, head].to(Float32)
-                if cutlass.const_expr(s.has_dt_bias):
-                    dt_j = dt_j + mDtBias[head].to(Float32)
-                if cutlass.const_expr(s.dt_softplus):
-                    dt_j = softplus(dt_j)
+            dt_cur = mDt[row, head].to(Float32)
+            if cutlass.const_expr(s.has_dt_bias):
+                dt_cur = dt_cur + mDtBias[head].to(Float32)
+            if cutlass.const_expr(s.dt_softplus):
+                dt_cur = softplus(dt_cur)
+            dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
             if cutlass.const_expr(L > 1):
+                dt_rec = cute.arch.shuffle_sync(dt_phys, (origin + lane) % cap)
                 if lane < h:
-                    dt_j = mRingDt[slot64, pos, head]
+                    dt_j = dt_rec
             # Suffix sums over records (j, h] by a reversed inclusive scan across lanes.
             tail = dt_j
             for k in cutlass.range_constexpr(5):
@@ -262,82 +295,86 @@ class Mamba2Decode:
 
             rC = cute.make_rmem_tensor((vec,), Float32)
             rC.store(rCa.load().to(Float32))
-            coef_j = Float32(0.0)  # non-flush: w_j (B_j . C), the weight of x_j[p] in y[p]
             ring_term = Float32(0.0)
             if cutlass.const_expr(L > 1):
-                if not flush:
-                    # B_j . C once per CTA: the warps split the records, then share through smem.
-                    for jj in cutlass.range_constexpr((L + W - 1) // W):
-                        j = jj * W + warp
-                        if j <= h:
-                            rBj = cute.make_rmem_tensor((vec,), act)
-                            if j == h:
-                                cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBj)
-                            else:
-                                cute.autovec_copy(
-                                    cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)),
-                                    rBj)
-                            part = Float32(0.0)
+                # B_p . C once per CTA for the warp's positions; the CTA shares w_j (B_p . C)
+                # per position (zero where p holds no committed record) and B_p for the fold.
+                n_rec = c.record_dot_values(cap)
+                rDot = cute.make_rmem_tensor((n_rec,), Float32)
+                rDot.fill(0.0)
+                for pp in cutlass.range_constexpr(RPW):
+                    if cutlass.const_expr(pp * W < cap):
+                        if pp * W + warp < cap:
+                            cute.autovec_copy(rBring[pp, None], cute.local_tile(sB[pp * W + warp, None], (vec,), (lane,)))
                             for v in cutlass.range_constexpr(vec):
-                                part = part + rBj[v].to(Float32) * rC[v]
-                            part = warp_sum(part)
-                            if lane == 0:
-                                sBC[j] = part
+                                rDot[pp] = rDot[pp] + rBring[pp, v].to(Float32) * rC[v]
+                dot = warp_reduce_many(rDot, n_rec)
+                idx = lane >> (5 - (n_rec.bit_length() - 1))
+                p_dot = idx * W + warp
+                j_dot = (p_dot - origin + cap) % cap  # the record at position p_dot
+                w_dot = cute.arch.shuffle_sync(w_j, j_dot)
+                if lane % (32 // n_rec) == 0 and idx < RPW and p_dot < cap:
+                    sBC[p_dot] = cutlass.select_(j_dot < h, w_dot * dot, Float32(0.0))
+                if not flush:
                     # Append this token's B and dt (its x goes in below, with the outputs).
                     if ptile == 0 and warp == 0:
                         if head % heads_per_group == 0:
-                            for v in cutlass.range_constexpr(vec):
-                                mRingB[slot64, pos_h, group, lane * vec + v] = mB[row, group, lane * vec + v]
-                        if lane == h:
-                            mRingDt[slot64, pos_h, head] = dt_j
-                    cute.arch.sync_threads()
-                    if lane <= h:
-                        coef_j = w_j * sBC[lane]
-                    # sum_j w_j (B_j . C) x_j[p] for this lane's row: coef_j by shuffle from lane j.
-                    ring_term = cute.arch.shuffle_sync(coef_j, h) * x_cur
-                    for j in cutlass.range_constexpr(L - 1):
-                        coef = cute.arch.shuffle_sync(coef_j, j)
-                        if j < h:
-                            ring_term = ring_term + coef * mRingX[slot64, (origin + j) % cap, head, p_warp + lr].to(Float32)
+                            cute.autovec_copy(rBa, cute.local_tile(mRingB[slot64, pos_h, group, None], (vec,), (lane,)))
+                        if lane == 0:
+                            mRingDt[slot64, pos_h, head] = dt_cur
+                cute.arch.sync_threads()
+                if not flush:
+                    # y[p] gets sum_j w_j (B_j . C) x_j[p]; this token's weight is dt (exp(0)).
+                    part = Float32(0.0)
+                    for v in cutlass.range_constexpr(vec):
+                        part = part + rBa[v].to(Float32) * rC[v]
+                    ring_term = dt_cur * warp_sum(part) * x_cur
+                    for p in cutlass.range_constexpr(cap):
+                        # select, not a zero weight: a stale position may hold any value.
+                        live_p = (p - origin + cap) % cap < h
+                        ring_term = ring_term + cutlass.select_(live_p, sBC[p] * rX[p], Float32(0.0))
 
             D = Float32(0.0)
             if cutlass.const_expr(s.has_D):
                 D = mD[head].to(Float32)
             cute.arch.mbarrier_wait(mbar + warp, 0)
             if flush:
-                # Fold in place in shared memory, a few records per pass, so that no more than a
-                # chunk of B columns is ever live in registers: S = gamma S + sum_j (w_j x_j[p]) B_j.
-                for jc in cutlass.range(L // JC):
-                    # Lane r < RW forms w_j x_j[p_r] for this pass's records (a coalesced load per
-                    # record), so the row loop below can stay a runtime loop: coef by shuffle.
-                    rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), act)
+                # Fold in place in shared memory, JC items per pass (their B in registers):
+                # S = gamma S + sum_j (w_j x_j[p]) B_j over this token (item 0) and the ring
+                # positions (items 1..cap; zero weight where a position holds no committed
+                # record). B comes from sB and x from registers: no load waits after the tile.
+                n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
+                n_pass = (n_items + JC - 1) // JC
+                for jc in cutlass.range_constexpr(n_pass):
+                    items = min(JC, n_items - jc * JC)
+                    rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
                     rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(JC):
-                        j = jc * JC + jj
-                        w = cute.arch.shuffle_sync(w_j, j)
-                        if cutlass.const_expr(L == 1):
-                            cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
-                            rCoef[jj] = w * x_cur
+                    for jj in cutlass.range_constexpr(items):
+                        item = jc * JC + jj
+                        if cutlass.const_expr(item == 0):
+                            for v in cutlass.range_constexpr(vec):
+                                rBc[jj, v] = rBa[v].to(Float32)
+                            rCoef[jj] = dt_cur * x_cur  # this token's weight: dt exp(0)
                         else:
-                            if j == L - 1:
-                                cute.autovec_copy(cute.local_tile(mB[row, group, None], (vec,), (lane,)), rBc[jj, None])
-                                rCoef[jj] = w * x_cur
-                            else:
-                                cute.autovec_copy(
-                                    cute.local_tile(mRingB[slot64, (origin + j) % cap, group, None], (vec,), (lane,)),
-                                    rBc[jj, None])
-                                rCoef[jj] = w * mRingX[slot64, (origin + j) % cap, head, p_warp + lr].to(Float32)
-                    scale = cutlass.select_(jc == 0, gamma, Float32(1.0))
+                            p_item = item - 1
+                            j_item = (p_item - origin + cap) % cap
+                            w = cute.arch.shuffle_sync(w_j, j_item)
+                            rBs = cute.make_rmem_tensor((vec,), act)
+                            cute.autovec_copy(cute.local_tile(sB[p_item, None], (vec,), (lane,)), rBs)
+                            for v in cutlass.range_constexpr(vec):
+                                rBc[jj, v] = rBs[v].to(Float32)
+                            rCoef[jj] = cutlass.select_(j_item < h, w * rX[p_item], Float32(0.0))
                     for r in cutlass.range(RW, unroll=2):
                         tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         cute.autovec_copy(tS, rS)
-                        for v in cutlass.range_constexpr(vec):
-                            rS[v] = scale * rS[v]
-                        for jj in cutlass.range_constexpr(JC):
+                        if cutlass.const_expr(jc == 0):
+                            for v in cutlass.range_constexpr(vec):
+                                rS[v] = gamma * rS[v]
+                        for jj in cutlass.range_constexpr(items):
                             coef = cute.arch.shuffle_sync(rCoef[jj], r)
                             for v in cutlass.range_constexpr(vec):
-                                rS[v] = rS[v] + coef * rBc[jj, v].to(Float32)
+                                rS[v] = rS[v] + coef * rBc[jj, v]
                         cute.autovec_copy(rS, tS)
                 cute.arch.sync_warp()
             # Output: flush rows read the folded state; others gamma (S_ckpt . C) + sum_j coef_j x_j.
@@ -365,11 +402,12 @@ class Mamba2Decode:
                         mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
 
             if cutlass.const_expr(L > 1):
-                # The last warp of this row to finish advances the cursor: every warp has used h by
-                # then. Per-warp arrivals need no CTA barrier; acq_rel orders the reads before.
-                if lane == 0:
+                # The last CTA of this row to finish advances the cursor: all its warps have used
+                # h by the barrier; one arrival per CTA keeps the counter's traffic low.
+                cute.arch.sync_threads()
+                if tidx == 0:
                     done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
-                    if done == H * (P // R) * W - 1:
+                    if done == H * (P // R) - 1:
                         next_h = h + 1
                         if flush:
                             next_h = Int32(0)
