@@ -11,6 +11,19 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 
+SMEM_PER_CTA = 227 * 1024  # opt-in maximum per CTA on sm_90 / sm_100 / sm_103
+SMEM_PER_SM = 228 * 1024
+
+
+def smem_fit(smem_bytes: int, min_ctas_per_sm: int):
+    """None if a CTA of `smem_bytes` fits, with `min_ctas_per_sm` of them per SM; else why not."""
+    if smem_bytes > SMEM_PER_CTA:
+        return f"needs {smem_bytes} bytes of shared memory per CTA (at most {SMEM_PER_CTA})"
+    if min_ctas_per_sm * (smem_bytes + 1024) > SMEM_PER_SM:
+        return f"{min_ctas_per_sm} CTAs of {smem_bytes} bytes of shared memory do not fit on an SM"
+    return None
+
+
 @cute.jit
 def softplus(x: Float32) -> Float32:
     """softplus(x) = x for x > 20 (engines' threshold), else log(1 + exp(x))."""

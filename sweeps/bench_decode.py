@@ -1,7 +1,9 @@
-"""Decode latency: conventional vs ReplaySSM standard decoding, Mamba-2 model shapes (GPU).
+"""Decode latency: conventional vs ReplaySSM standard decoding, Mamba-2 and GDN model shapes (GPU).
 
-    python sweeps/bench_decode.py --models nemotron-super,nemotron-nano-4b \
-        --batch 1,32,64,128,256,512 --out sweeps/results/decode_h200.csv
+    python sweeps/bench_decode.py --out sweeps/results/decode_h200.csv     # every model, all batches
+    python sweeps/bench_decode.py --quick                                  # fast GPU check
+    python sweeps/bench_decode.py --layers gdn --batch 1,256               # a subset
+    CUTE_DSL_ARCH=sm_90a python sweeps/bench_decode.py --compile-only      # fill the compile cache
 
 Protocol (shared/docs/performance.md): every figure is the median over replays of a CUDA graph of
 many launches; the pool rotates over enough slot sets that each step streams its checkpoint from
@@ -15,6 +17,11 @@ Per (model, batch) it reports, each kernel at the best of a small set of launch 
   over ring positions (row r starts at h = r mod L);
 - ReplaySSM flush step alone (every row at h = L-1), and the non-flush mean derived from the two
   as (L * mean - flush) / (L - 1).
+Staggered rows and the flush step run at the launch config that is best for the aligned window
+mean (one config serves every step of a batch size), so the non-flush mean is that config's too.
+
+Every candidate kernel is compiled first, in parallel worker processes, into the on-disk compile
+cache (a warm cache makes this a few seconds); rows are written to the CSV as they are measured.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -29,38 +37,63 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from replayssm_cute.models import get_model  # noqa: E402
-from replayssm_cute.perf import DecodePool, ideal_bytes, time_graph  # noqa: E402
+from replayssm_cute.models import MODELS, get_model  # noqa: E402
+from replayssm_cute.perf import (  # noqa: E402
+    DecodePool, bench_layer, compile_pool_kernel, ideal_bytes, time_graph)
+
+DEFAULT_MODELS = "nemotron-super,nemotron-nano-4b,qwen3.5-4b,qwen3.5-122b"
+BATCHES = "1,32,64,128,256,512"
+QUICK_BATCHES = "1,64,256"
+SMALL_BATCH = 16
+# (rows_per_cta, num_warps) per layer type, (batch <= SMALL_BATCH, above), most promising first,
+# timed after the configs decode() picks by default; --quick keeps the first two of those that
+# are valid for the model. Small tiles at small batch, where more CTAs per row hide latency;
+# larger tiles and fewer warps above.
+GRIDS = {
+    "mamba2": ([(16, 4), (32, 4)], [(64, 4), (80, 4), (32, 2), (40, 2), (16, 4)]),
+    "gdn": ([(16, 4), (8, 2), (16, 2)], [(32, 4), (64, 4), (16, 4), (32, 2), (64, 8), (32, 8)]),
+}
+QUICK_CANDIDATES = 2
+NO_GPU = ("bench_decode: no CUDA GPU found (torch.cuda.is_available() is False); this benchmark "
+          "times kernels on a GPU and needs one. Without a GPU, --compile-only (with CUTE_DSL_ARCH="
+          "sm_90a, sm_100a or sm_103a) builds the candidate kernels into the compile cache.")
 
 
+def candidate_configs(model, batch: int, window: int = 16, quick: bool = False):
+    """The launch configs each kernel of `model` is timed at (its best is reported): decode()'s
+    defaults for ReplaySSM and the conventional step, then the layer's grid for this batch,
+    keeping those valid for both (one config list serves both kernels)."""
+    layer = bench_layer(model)
+    windows = sorted({1, window}, reverse=True)
+    configs = [layer.default_config(model, batch, w) for w in windows]
+    configs += [layer.config(rows, warps) for rows, warps in GRIDS[model.layer][batch > SMALL_BATCH]]
+    shapes = [layer.kernel_shape(model, w) for w in windows]
+    configs = [c for c in dict.fromkeys(configs) if all(c.check(s) is None for s in shapes)]
+    return configs[:QUICK_CANDIDATES] if quick else configs
 
-def candidate_configs(model, batch: int):
-    """The launch configs each kernel is timed at (its best is reported): small tiles at batch
-    <= 16, where more CTAs per row hide latency; larger tiles and fewer warps above."""
-    from replayssm_cute.kernels.mamba2.decode import Mamba2Config
 
-    P = model.headdim
-    if batch <= 16:
-        grid = [(16, 4), (32, 4)]
-    else:
-        grid = [(16, 4), (32, 2), (64, 4), (40, 2), (80, 4)]
-    return [Mamba2Config(rows_per_cta=r, num_warps=w) for r, w in grid if P % r == 0]
+def compile_jobs(models, batches, window, quick):
+    """(model, window, config) for every kernel the run times, in a stable order."""
+    jobs = {(m, w, c) for m in models for b in batches for w in sorted({1, window})
+            for c in candidate_configs(m, b, window, quick)}
+    return sorted(jobs, key=repr)
 
 
-def _compile_one(args):
-    model, window, cfg = args
-    import replayssm_cute.kernels_host as kh
-
-    shape = kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window,
-                            torch.bfloat16, torch.bfloat16, True, False, True, True, -1)
-    kh.compile_mamba2(shape, cfg)
+def _compile_one(job):
+    model, window, cfg = job
+    compile_pool_kernel(model, window, cfg)
     return True
 
 
-def precompile_parallel(jobs, workers):
-    """cute.compile is not thread-safe: fill the disk cache from worker processes first."""
+def precompile_parallel(jobs, workers, arch):
+    """cute.compile is not thread-safe: fill the disk cache from worker processes first. The
+    workers compile for `arch` (passed on as CUTE_DSL_ARCH, so they need not touch the GPU); a job
+    found in the disk cache costs a load."""
+    from replayssm_cute.compile_cache import ENV_ARCH
+
+    os.environ[ENV_ARCH] = arch
     ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs))), mp_context=ctx) as pool:
         list(pool.map(_compile_one, jobs))
 
 
@@ -85,73 +118,126 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (min(us_memcpy, us_kernel) * 1e-6)
 
 
-def best(fn_factory, configs):
+def best(fn_factory, configs, replays):
     results = []
     for cfg in configs:
         fn, n = fn_factory(cfg)
-        results.append((time_graph(fn, n), cfg))
+        results.append((time_graph(fn, n, replays=replays), cfg))
     return min(results, key=lambda t: t[0])
 
 
-def main(argv=None):
+def measure(model, batch, L, bw, configs, replays):
+    """One CSV row: every kernel of (model, batch) at its best config, as us, TB/s, % of copy."""
+    conv = DecodePool(model, batch, 1)
+    t_conv, c_conv = best(conv.window_fn, configs, replays)
+    del conv
+    aligned = DecodePool(model, batch, L)
+    t_mean, c_mean = best(aligned.window_fn, configs, replays)
+    t_flush, _ = best(aligned.flush_fn, [c_mean], replays)
+    del aligned
+    stag = DecodePool(model, batch, L, stagger=True)
+    t_stag, _ = best(stag.window_fn, [c_mean], replays)
+    del stag
+    torch.cuda.empty_cache()
+    t_nonflush = (L * t_mean - t_flush) / (L - 1)
+    ideal = ideal_bytes(model, batch, L)
+    rec = dict(model=model.name, layer=model.layer, batch=batch, window=L, copy_tbps=bw / 1e12,
+               conv_us=t_conv, conv_cfg=str(c_conv.key()),
+               replay_mean_us=t_mean, replay_cfg=str(c_mean.key()),
+               replay_staggered_us=t_stag, flush_us=t_flush, nonflush_mean_us=t_nonflush)
+    for name, t in (("conventional", t_conv), ("window_mean", t_mean), ("flush", t_flush),
+                    ("nonflush_mean", t_nonflush)):
+        tbps = ideal[name] / (t * 1e-6) / 1e12
+        rec[f"{name}_tbps"] = tbps
+        rec[f"{name}_frac_copy"] = tbps * 1e12 / bw
+    rec["staggered_frac_copy"] = ideal["window_mean"] / (t_stag * 1e-6) / bw
+    rec["speedup_mean_vs_conv"] = t_conv / t_mean
+    rec["staggered_vs_aligned"] = t_stag / t_mean
+    return rec
+
+
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="nemotron-super,nemotron-nano-4b")
-    ap.add_argument("--batch", default="1,32,64,128,256,512")
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--out", default="sweeps/results/decode_h200.csv")
-    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help=f"comma-separated model names (default {DEFAULT_MODELS}; known: {', '.join(MODELS)})")
+    ap.add_argument("--layers", default="mamba2,gdn",
+                    help="keep only the models of these layer types (default mamba2,gdn)")
+    ap.add_argument("--batch", help=f"comma-separated batch sizes (default {BATCHES}; with --quick {QUICK_BATCHES})")
+    ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L (default 16)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"fast GPU check: batches {QUICK_BATCHES}, the first {QUICK_CANDIDATES} candidate "
+                         "configs per kernel, fewer replays, output to sweeps/results/decode_quick.csv")
+    ap.add_argument("--out", help="CSV path (default sweeps/results/decode_h200.csv, with --quick "
+                                  "sweeps/results/decode_quick.csv)")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                    help="compile worker processes (default min(16, CPUs))")
+    ap.add_argument("--replays", type=int, help="CUDA-graph replays per timing (default 15, with --quick 7)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only build the candidate kernels into the compile cache (no GPU needed with "
+                         "CUTE_DSL_ARCH set), then exit")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_decode: no CUDA GPU found; this benchmark times kernels and needs one.")
+    try:
+        args.models = [get_model(m.strip()) for m in args.models.split(",") if m.strip()]
+    except ValueError as e:
+        ap.error(f"--models: {e}")
+    layers = {s.strip() for s in args.layers.split(",") if s.strip()}
+    if layers - set(GRIDS):
+        ap.error(f"--layers: unknown layer types {sorted(layers - set(GRIDS))}; known: {', '.join(GRIDS)}")
+    args.models = [m for m in args.models if m.layer in layers]
+    if not args.models:
+        ap.error(f"no model of layer type {', '.join(sorted(layers))} among --models")
+    try:
+        args.batch = [int(b) for b in (args.batch or (QUICK_BATCHES if args.quick else BATCHES)).split(",")]
+    except ValueError:
+        ap.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
+    if any(b < 1 for b in args.batch):
+        ap.error("--batch: batch sizes must be >= 1")
+    if not 2 <= args.window <= 32:
+        ap.error("--window must be in 2..32 (window 1, the conventional step, is always measured)")
+    args.out = args.out or f"sweeps/results/decode_{'quick' if args.quick else 'h200'}.csv"
+    args.replays = args.replays or (7 if args.quick else 15)
+    return args
+
+
+def main(argv=None):
+    args = _parse(argv)
+    models, batches, L = args.models, args.batch, args.window
+    if not (args.compile_only or torch.cuda.is_available()):
+        print(NO_GPU, file=sys.stderr)
+        return 1
+    from replayssm_cute.compile_cache import target_arch
+
+    try:
+        arch = target_arch()
+    except RuntimeError as e:  # --compile-only with no GPU and CUTE_DSL_ARCH unset
+        print(f"bench_decode: {e}", file=sys.stderr)
         return 1
     import pandas as pd
 
-    models = [get_model(m) for m in args.models.split(",")]
-    batches = [int(b) for b in args.batch.split(",")]
-    L = args.window
-    jobs = {(m, w, c) for m in models for b in batches for w in (1, L) for c in candidate_configs(m, b)}
-    precompile_parallel(sorted(jobs, key=repr), args.workers)
+    t0 = time.perf_counter()
+    jobs = compile_jobs(models, batches, L, args.quick)
+    precompile_parallel(jobs, args.workers, arch)
+    print(f"{len(jobs)} kernels for {arch} compiled or loaded from the compile cache in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if args.compile_only:
+        return 0
 
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
     rows = []
     for m in models:
         for b in batches:
-            cfgs = candidate_configs(m, b)
-            ideal = ideal_bytes(m, b, L)
-            conv = DecodePool(m, b, 1)
-            t_conv, c_conv = best(conv.window_fn, cfgs)
-            del conv
-            aligned = DecodePool(m, b, L)
-            t_mean, c_mean = best(aligned.window_fn, cfgs)
-            t_flush, _ = best(aligned.flush_fn, [c_mean])
-            del aligned
-            stag = DecodePool(m, b, L, stagger=True)
-            t_stag, _ = best(stag.window_fn, [c_mean])
-            del stag
-            torch.cuda.empty_cache()
-            t_nonflush = (L * t_mean - t_flush) / (L - 1)
-            rec = dict(model=m.name, batch=b, window=L, copy_tbps=bw / 1e12,
-                       conv_us=t_conv, conv_cfg=str(c_conv.key()),
-                       replay_mean_us=t_mean, replay_cfg=str(c_mean.key()),
-                       replay_staggered_us=t_stag, flush_us=t_flush, nonflush_mean_us=t_nonflush)
-            for name, t in (("conventional", t_conv), ("window_mean", t_mean), ("flush", t_flush),
-                            ("nonflush_mean", t_nonflush)):
-                tbps = ideal[name] / (t * 1e-6) / 1e12
-                rec[f"{name}_tbps"] = tbps
-                rec[f"{name}_frac_copy"] = tbps * 1e12 / bw
-            rec["staggered_frac_copy"] = ideal["window_mean"] / (t_stag * 1e-6) / bw
-            rec["speedup_mean_vs_conv"] = t_conv / t_mean
-            rec["staggered_vs_aligned"] = t_stag / t_mean
+            rec = measure(m, b, L, bw, candidate_configs(m, b, L, args.quick), args.replays)
             rows.append(rec)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             pd.DataFrame(rows).to_csv(args.out, index=False)  # after every row: partial runs count
-            print(f"{m.name:18s} b={b:4d} conv {t_conv:8.1f}us ({rec['conventional_frac_copy']:.1%}) "
-                  f"replay mean {t_mean:8.1f}us ({rec['window_mean_frac_copy']:.1%}) "
-                  f"stag {t_stag:8.1f}us ({rec['staggered_frac_copy']:.1%}) "
-                  f"flush {t_flush:8.1f}us ({rec['flush_frac_copy']:.1%}) "
-                  f"nonflush {t_nonflush:8.1f}us ({rec['nonflush_mean_frac_copy']:.1%}) "
-                  f"speedup {rec['speedup_mean_vs_conv']:.2f}x", flush=True)
+            print(f"{m.name:18s} b={b:4d} conv {rec['conv_us']:8.1f}us ({rec['conventional_frac_copy']:.1%}) "
+                  f"replay mean {rec['replay_mean_us']:8.1f}us ({rec['window_mean_frac_copy']:.1%}) "
+                  f"stag {rec['replay_staggered_us']:8.1f}us ({rec['staggered_frac_copy']:.1%}) "
+                  f"flush {rec['flush_us']:8.1f}us ({rec['flush_frac_copy']:.1%}) "
+                  f"nonflush {rec['nonflush_mean_us']:8.1f}us ({rec['nonflush_mean_frac_copy']:.1%}) "
+                  f"speedup {rec['speedup_mean_vs_conv']:.2f}x  [{time.perf_counter() - t0:.0f} s]",
+                  flush=True)
     print(f"wrote {args.out}")
     return 0
 

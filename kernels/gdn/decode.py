@@ -49,7 +49,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, softplus, warp_reduce_many
+from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many
 
 
 def _pow2_at_least(n: int) -> int:
@@ -110,6 +110,11 @@ class GDNConfig:
         """Values a warp reduces for its record keys (k_j . k and k_j . q each), a power of two."""
         return _pow2_at_least(2 * self.records_per_warp(window))
 
+    def smem_bytes(self, shape: GDNShape) -> int:
+        """The state tile, the ring keys and per-position weights, mbarriers, alignment slack."""
+        K, cap = shape.head_k_dim, shape.capacity
+        return self.rows_per_cta * K * 4 + 8 * cap + cap * K * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
 
@@ -131,7 +136,7 @@ class GDNConfig:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
         if 2 * self.records_per_warp(shape.capacity) > 32:
             return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
-        return None
+        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
 
 class GDNDecode:
@@ -145,10 +150,7 @@ class GDNDecode:
         self.config = config
 
     def smem_bytes(self) -> int:
-        c = self.config
-        s = self.shape
-        return (c.rows_per_cta * s.head_k_dim * 4 + 8 * s.capacity + s.capacity * s.head_k_dim * s.act_dtype.width // 8
-                + 8 * c.num_warps + 512)
+        return self.config.smem_bytes(self.shape)
 
     @cute.jit
     def __call__(

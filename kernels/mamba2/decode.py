@@ -45,7 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, softplus, warp_reduce_many, warp_sum
+from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many, warp_sum
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,11 @@ class Mamba2Config:
         """Values a warp reduces for its ring positions (B_p . C each), a power of two."""
         return 1 << max(0, (self.records_per_warp(capacity) - 1).bit_length())
 
+    def smem_bytes(self, shape: Mamba2Shape) -> int:
+        """The state tile, B at every ring position and its weights, mbarriers, alignment slack."""
+        N, cap = shape.dstate, shape.capacity
+        return (self.rows_per_cta * N + cap) * 4 + cap * N * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
 
@@ -108,7 +113,7 @@ class Mamba2Config:
             return "more than 32 rows per warp (a lane per row in the fold)"
         if shape.capacity > 32:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        return None
+        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
 
 class Mamba2Decode:
@@ -122,10 +127,7 @@ class Mamba2Decode:
         self.config = config
 
     def smem_bytes(self) -> int:
-        c = self.config
-        s = self.shape
-        return (c.rows_per_cta * s.dstate + s.capacity) * 4 + s.capacity * s.dstate * s.act_dtype.width // 8 \
-            + 8 * c.num_warps + 512
+        return self.config.smem_bytes(self.shape)
 
     @cute.jit
     def __call__(

@@ -69,11 +69,12 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
     return kernel
 
 
-def default_gdn_config(head_v_dim: int, batch: int, window: int):
+def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None):
     """Analytical default until the autotuner has measured (H200, scratch sweeps of this
     kernel): 16-row tiles at batch <= 16, where more CTAs per row hide latency; otherwise 64-row
     tiles with registers capped for 6 CTAs per SM (the most tiles in flight) for ReplaySSM, and
-    32-row tiles over 2 warps for the conventional step."""
+    32-row tiles over 2 warps for the conventional step. With `shape`, the first choice that
+    fits it (shared memory for large K)."""
     from .kernels.gdn.decode import GDNConfig
 
     if batch <= 16:
@@ -84,7 +85,9 @@ def default_gdn_config(head_v_dim: int, batch: int, window: int):
         choices = [(32, 2, 0), (16, 2, 0)]
     for rows, warps, ctas in choices:
         if head_v_dim % rows == 0:
-            return GDNConfig(rows_per_cta=rows, num_warps=warps, min_ctas_per_sm=ctas)
+            cfg = GDNConfig(rows_per_cta=rows, num_warps=warps, min_ctas_per_sm=ctas)
+            if shape is None or cfg.check(shape) is None:
+                return cfg
     return GDNConfig(rows_per_cta=16, num_warps=1)
 
 
@@ -116,7 +119,7 @@ def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batc
         shape = gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
                           cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
                           dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
-        cfg = config if config is not None else default_gdn_config(cache.head_v_dim, batch, cache.window)
+        cfg = config if config is not None else default_gdn_config(cache.head_v_dim, batch, cache.window, shape)
         reason = cfg.check(shape)
         if reason is not None:
             arg = "config" if config is not None else "cache"

@@ -32,7 +32,8 @@ class _Layer:
     @staticmethod
     def _kernel():
         """(shape function of kernels_host, its arguments after the activation dtype for the
-        pool's inputs, compile function, launch-config class), imported on demand."""
+        pool's inputs, compile function, launch-config class, default-config function of
+        (headdim, batch, window)), imported on demand."""
         raise NotImplementedError
 
     @staticmethod
@@ -76,6 +77,11 @@ class _Layer:
     def config(cls, rows_per_cta, num_warps):
         return cls._kernel()[3](rows_per_cta=rows_per_cta, num_warps=num_warps)
 
+    @classmethod
+    def default_config(cls, m, batch, window):
+        """The launch config decode() picks when given none."""
+        return cls._kernel()[4](m.headdim, batch, window)
+
 
 class _Mamba2Layer(_Layer):
     """Mamba-2 (H heads of P x N, G groups), vLLM ``selective_state_update`` arguments: D and
@@ -94,9 +100,10 @@ class _Mamba2Layer(_Layer):
         import torch
 
         from .kernels.mamba2.decode import Mamba2Config
-        from .kernels_host import compile_mamba2, mamba2_shape
+        from .kernels_host import compile_mamba2, default_mamba2_config, mamba2_shape
 
-        return mamba2_shape, (torch.bfloat16, True, False, True, True, -1), compile_mamba2, Mamba2Config
+        args = (torch.bfloat16, True, False, True, True, -1)
+        return mamba2_shape, args, compile_mamba2, Mamba2Config, default_mamba2_config
 
     @staticmethod
     def fill_ring(cache, gen):
@@ -141,10 +148,10 @@ class _GDNLayer(_Layer):
         import torch
 
         from .kernels.gdn.decode import GDNConfig
-        from .kernels_host import compile_gdn, gdn_shape
+        from .kernels_host import compile_gdn, default_gdn_config, gdn_shape
 
-        f32 = torch.float32
-        return gdn_shape, (torch.bfloat16, f32, f32, None, False, -1), compile_gdn, GDNConfig
+        args = (torch.bfloat16, torch.float32, torch.float32, None, False, -1)
+        return gdn_shape, args, compile_gdn, GDNConfig, default_gdn_config
 
     @staticmethod
     def _gates(head_shape, a_shape, gen, device):
@@ -190,7 +197,7 @@ _LAYERS = {"mamba2": _Mamba2Layer, "gdn": _GDNLayer}
 def bench_layer(model):
     """What the pool and the sweeps know about ``model.layer``: record and activation bytes, the
     pool's cache, ring contents and inputs, the kernel shape they make decode() ask for, how to
-    compile it and its launch configs (``config(rows_per_cta, num_warps)``)."""
+    compile it, its launch configs (``config(rows_per_cta, num_warps)``) and the default one."""
     try:
         return _LAYERS[model.layer]
     except KeyError:
