@@ -5,7 +5,7 @@
 CSVs written before GDN was benchmarked have no `layer` column: their rows are Mamba-2.
 """
 
-import sys
+import argparse
 
 import pandas as pd
 
@@ -32,4 +32,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "sweeps/results/decode_h200.csv")
+    parser = argparse.ArgumentParser(description="Render a bench_decode.py CSV as markdown tables.")
+    parser.add_argument("csv", nargs="?", default="sweeps/results/decode_h200.csv")
+    main(parser.parse_args().csv)

@@ -1,9 +1,13 @@
-"""Compile-only builds of every Mamba-2 decode kernel variant, for every supported arch, no GPU.
+"""Compile-only builds of every decode kernel variant (Mamba-2 and GDN), for every supported arch,
+no GPU.
 
 Each (model, arch) runs `python -m replayssm_cute.precompile --dump-ptx` in its own process
 (CuTe DSL reads CUTE_DSL_ARCH once per process) with `CUTE_DSL_COMPILER_OPT="remarks{ptx}"`, so
 ptxas reports every kernel's stack frame and spills. The PTX and those reports are then checked:
-right target, TMA streaming of the checkpoint, no local memory, no spills.
+right target, TMA streaming of the checkpoint, no local memory, no spills. Besides the registry's
+models, two GDN shapes that no model has go through the same precompile (registered in the child
+process; sm_90a and sm_100a): 2 key heads with 3 value heads each at K = V = 64, and K = V = 48,
+where a state row fills only 24 of a warp's 32 lanes.
 """
 
 import os
@@ -15,16 +19,25 @@ from pathlib import Path
 
 import pytest
 
+from replayssm_cute.models import ModelSpec, get_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
-MODELS = ("nemotron-super", "nemotron-nano-4b")
+MODELS = ("nemotron-super", "nemotron-nano-4b", "qwen3.5-4b", "qwen3.5-122b")
+# GDN shapes outside the registry: ModelSpec(name, "gdn", HV, V, K, H key heads, layers).
+ODD_SHAPES = {
+    "gdn-h2-hv6-k64": ModelSpec("gdn-h2-hv6-k64", "gdn", 6, 64, 64, 2, 1),
+    "gdn-h2-hv4-k48": ModelSpec("gdn-h2-hv4-k48", "gdn", 4, 48, 48, 2, 1),
+}
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 WINDOW = 16  # precompile's default
-CASES = [(m, a) for a in ARCHS for m in MODELS]
+# The odd shapes skip sm_103a to save CI time: its PTX is sm_100a's but for the .target line.
+CASES = ([(m, a) for a in ARCHS for m in MODELS]
+         + [(m, a) for a in ARCHS if a != "sm_103a" for m in ODD_SHAPES])
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# "  mamba2_replay_L16_bf16_rows16                   2.7 s  -> DIR/mamba2_...ptx"
-_LABEL = re.compile(r"^\s+(mamba2_\S+)\s+([0-9.]+) s(?:\s+-> (\S+))?\s*$")
+# "  mamba2_replay_L16_bf16_rows64_warps4             2.7 s  -> DIR/mamba2_...ptx"
+_LABEL = re.compile(r"^\s+((?:mamba2|gdn)_\S+)\s+([0-9.]+) s(?:\s+-> (\S+))?\s*$")
 _HEADER = re.compile(r"^precompile (\S+) for (\S+): (\d+) kernels$")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -49,8 +62,24 @@ def _kernel_sources_hash():
     return _hash_tree([ROOT / "kernels"])
 
 
+def _spec(model):
+    return ODD_SHAPES[model] if model in ODD_SHAPES else get_model(model)
+
+
+# The precompile CLI with one extra registry entry (for the odd shapes).
+_WITH_SPEC = ("import sys; from replayssm_cute import models, precompile; "
+              "spec = models.ModelSpec(*{!r}); models.MODELS[spec.name] = spec; "
+              "sys.exit(precompile.main(sys.argv[1:]))")
+
+
 def _precompile(model, arch, cache_dir, ptx_dir=None):
-    cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", model, "--arch", arch]
+    if model in ODD_SHAPES:
+        s = ODD_SHAPES[model]
+        fields = (s.name, s.layer, s.nheads, s.headdim, s.dstate, s.ngroups, s.num_layers)
+        cmd = [sys.executable, "-c", _WITH_SPEC.format(fields)]
+    else:
+        cmd = [sys.executable, "-m", "replayssm_cute.precompile"]
+    cmd += ["--model", model, "--arch", arch]
     if ptx_dir is not None:
         cmd += ["--dump-ptx", str(ptx_dir)]
     t0 = time.perf_counter()
@@ -110,10 +139,9 @@ def build(request, builds):
 
 
 def _expected_labels(model):
-    from replayssm_cute.models import get_model
-    from replayssm_cute.precompile import mamba2_variants
+    from replayssm_cute.precompile import variants
 
-    return [label for label, _, _ in mamba2_variants(get_model(model), WINDOW, ["bf16"])]
+    return [label for label, _, _ in variants(_spec(model), WINDOW, ["bf16"])]
 
 
 def test_precompile_succeeds(build):
@@ -136,7 +164,7 @@ def test_every_variant_is_built_with_one_ptx_file(build):
         assert path.is_file() and path.stat().st_size > 0
     assert sorted(p.name for p in build.ptx_dir.iterdir()) == sorted(p.name for p in paths)
     # The compile cache holds one object per variant.
-    assert len(list(build.cache_dir.glob("mamba2_decode-*.o"))) == len(labels)
+    assert len(list(build.cache_dir.glob(f"{_spec(build.model).layer}_decode-*.o"))) == len(labels)
 
 
 def _ptx_files(build):
@@ -177,9 +205,10 @@ def test_ptxas_reports_no_spills(build):
             assert stack == 0, f"{label}: {stack} bytes stack frame"
 
 
-def test_second_precompile_is_a_cache_hit(builds):
+@pytest.mark.parametrize("model", ["nemotron-super", "qwen3.5-4b"])
+def test_second_precompile_is_a_cache_hit(builds, model):
     """Same cache dir again: every kernel loads from disk, nothing is rebuilt or rewritten."""
-    build = builds("nemotron-super", "sm_90a")
+    build = builds(model, "sm_90a")
     assert build.proc.returncode == 0, build.tail()
     if _kernel_sources_hash() != build.source_hash:
         pytest.skip("kernels/*.py changed since the first build (new cache keys by design)")

@@ -219,7 +219,7 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
         _fail("mixed_qkv", f"dtype {act} (the cache's activation dtype; no implicit casts)", mixed_qkv.dtype)
     if mixed_qkv.device != device:
         _fail("mixed_qkv", f"a tensor on {device}", mixed_qkv.device)
-    if mixed_qkv.shape[0] > 1 and mixed_qkv.stride(1) != 1:
+    if mixed_qkv.stride(1) != 1:
         _fail("mixed_qkv", "a packed last dim (stride 1); any row stride", f"strides {mixed_qkv.stride()}")
     b, rs, off = mixed_qkv.shape[0], mixed_qkv.stride(0), mixed_qkv.storage_offset()
     q = mixed_qkv.as_strided((b, H, K), (rs, K, 1), off)
@@ -250,8 +250,9 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
     b = _activation("b", b, (bsz, HV), a.dtype, device, aligned=False)
     A_log = _gdn_param("A_log", A_log, HV, act, device)
     dt_bias = _gdn_param("dt_bias", dt_bias, HV, act, device)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        _fail("scale", "None or a positive float", scale)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < float("inf")):
+        _fail("scale", "None or a positive finite float", scale)
     slot_ids = _slot_ids(slot_ids, bsz, device)
     if out is None:
         out = torch.empty((bsz, HV, V), dtype=act, device=device)

@@ -1,6 +1,7 @@
 """ReplaySSM decode demo: check against a float64 recurrence, then time it against conventional decode.
 
     python -m replayssm_cute.demo --model nemotron-super [--batch 8] [--window 16] [--windows 3] [--tp 1]
+    python -m replayssm_cute.demo --model qwen3.5-4b ...    (a Gated DeltaNet model)
 
 On a CUDA GPU: two caches of one layer (conventional, window 1; ReplaySSM, window L) get the same
 random prefill states; rows are staggered over ring positions (row r starts at h = r mod L, by
@@ -9,13 +10,14 @@ on both caches. Every step's outputs of both kernels are checked against the flo
 recurrence, and the states are checked after flushes and at the end. Then both kernels are timed
 (a CUDA graph of L steps, each step over several slot sets so the pool of >= 512 MiB cannot stay
 in L2; the median over replays) and reported per step with their bandwidth on ideal bytes.
+Mamba-2 and Gated DeltaNet models alike (the layer type comes from the model registry).
 
 Without a GPU: the same staggered check runs on CPU caches through `replayssm_cute.decode` (the
 PyTorch reference path, float32 cache so the check is tight) at batch 2, then the model's kernels
 are compiled for $CUTE_DSL_ARCH (default sm_90a), each with its compile time.
 
 Exit status: 0 when every check passes, 1 when a check fails, 2 on bad arguments or an
-unsupported model.
+unknown model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import time
 
 OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-5}  # relative L2, outputs
 STATE_TOL = 2e-5  # relative L2, fp32 states against the float64 recurrence
+# GDN records keep u in fp16 (unit roundoff 4.9e-4) and the key in the activation dtype, so with a
+# ring outputs and states are only that close to the float64 recurrence (about 3e-4 observed with
+# fp32 activations); the conventional step (window 1) keeps STATE_TOL.
+GDN_OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
+GDN_RING_STATE_TOL = {"bfloat16": 5e-3, "float16": 2e-3, "float32": 1e-3}
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -37,40 +44,161 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _Mamba2Layer:
+    """What the staggered check needs of a Mamba-2 layer: caches, parameters, one token's
+    random inputs, the decode call, the float64 recurrence and the tolerances."""
+
+    kind = "Mamba-2"
+
+    def __init__(self, model, gen, dev):
+        import torch
+
+        self.H, self.P, self.N, self.G = model.nheads, model.headdim, model.dstate, model.ngroups
+        self.state_dims = (self.H, self.P, self.N)
+        self.out_dims = (self.H, self.P)
+        self.A = -(1.0 + torch.rand(self.H, generator=gen, device=dev))
+        self.dt_bias = -4.0 + torch.rand(self.H, generator=gen, device=dev)
+        self.D = torch.randn(self.H, generator=gen, device=dev)
+
+    def cache(self, slots, window, dtype, dev):
+        from .cache import Mamba2Cache
+
+        return Mamba2Cache(slots, self.H, self.P, self.N, self.G, window=window, dtype=dtype, device=dev)
+
+    def token(self, batch, dtype, gen, dev):
+        import torch
+
+        return dict(x=torch.randn(batch, self.H, self.P, generator=gen, device=dev).to(dtype),
+                    dt=(0.5 * torch.randn(batch, self.H, generator=gen, device=dev)).to(dtype),
+                    B=torch.randn(batch, self.G, self.N, generator=gen, device=dev).to(dtype),
+                    C=torch.randn(batch, self.G, self.N, generator=gen, device=dev).to(dtype))
+
+    def decode(self, cache, t, slot_ids, out):
+        from .api import decode
+
+        decode(cache, t["x"], t["dt"], self.A, t["B"], t["C"], slot_ids, D=self.D,
+               dt_bias=self.dt_bias, dt_softplus=True, out=out)
+
+    def reference(self, state, t):
+        from . import reference
+
+        return reference.mamba2_conventional_step(state, t["x"], t["dt"], self.A, t["B"], t["C"],
+                                                  D=self.D, dt_bias=self.dt_bias, dt_softplus=True)
+
+    def materialize(self, cache, slots):
+        return cache.materialize(slots, self.A)
+
+    @staticmethod
+    def kernel(cache, batch):
+        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
+        from .kernels_host import mamba2_decode_kernel
+
+        return mamba2_decode_kernel(cache, cache.dtype, True, False, True, True, batch)
+
+    def out_tol(self, dtype) -> float:
+        return OUT_TOL[_dtype_name(dtype)]
+
+    def state_tol(self, window, dtype) -> float:
+        return STATE_TOL
+
+
+class _GDNLayer:
+    """The same for a Gated DeltaNet layer (ModelSpec: nheads = HV value heads, headdim = V,
+    dstate = K, ngroups = H key heads); decays as in Qwen3-Next (-exp(A_log) in [-8, -1],
+    softplus(a + dt_bias) small), q, k, v and the raw gates standard normal."""
+
+    kind = "GDN"
+
+    def __init__(self, model, gen, dev):
+        import torch
+
+        self.HV, self.V, self.K, self.H = model.nheads, model.headdim, model.dstate, model.ngroups
+        self.state_dims = (self.HV, self.V, self.K)
+        self.out_dims = (self.HV, self.V)
+        self.A_log = torch.log(1.0 + 7.0 * torch.rand(self.HV, generator=gen, device=dev))
+        self.dt_bias = -4.0 + 2.0 * torch.rand(self.HV, generator=gen, device=dev)
+
+    def cache(self, slots, window, dtype, dev):
+        from .cache import GDNCache
+
+        return GDNCache(slots, self.HV, self.V, self.K, self.H, window=window, dtype=dtype, device=dev)
+
+    def token(self, batch, dtype, gen, dev):
+        import torch
+
+        def rnd(*shape):
+            return torch.randn(batch, *shape, generator=gen, device=dev).to(dtype)
+
+        return dict(q=rnd(self.H, self.K), k=rnd(self.H, self.K), v=rnd(self.HV, self.V),
+                    a=rnd(self.HV), b=rnd(self.HV))
+
+    def decode(self, cache, t, slot_ids, out):
+        from .api import decode
+
+        decode(cache, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias, slot_ids, out=out)
+
+    def reference(self, state, t):
+        from . import reference
+
+        return reference.gdn_conventional_step(state, t["q"], t["k"], t["v"], t["a"], t["b"],
+                                               self.A_log, self.dt_bias)
+
+    def materialize(self, cache, slots):
+        return cache.materialize(slots)
+
+    @staticmethod
+    def kernel(cache, batch):
+        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
+        import torch
+
+        from .kernels_host import gdn_decode_kernel
+
+        return gdn_decode_kernel(cache, cache.dtype, torch.float32, torch.float32, None, batch)
+
+    def out_tol(self, dtype) -> float:
+        return GDN_OUT_TOL[_dtype_name(dtype)]
+
+    def state_tol(self, window, dtype) -> float:
+        return STATE_TOL if window == 1 else GDN_RING_STATE_TOL[_dtype_name(dtype)]
+
+
+_LAYERS = {"mamba2": _Mamba2Layer, "gdn": _GDNLayer}
+
+
 def staggered_check(model, batch: int, window: int, windows: int, dtype, device, seed: int = 0) -> dict:
-    """Run the staggered multi-window check on a conventional and a ReplaySSM cache.
+    """Run the staggered multi-window check on a conventional and a ReplaySSM cache of
+    `model`'s layer (Mamba-2 or GDN).
 
     Returns the worst errors seen and ``failures`` (a list of strings, empty when all passed).
     """
     import torch
 
-    from . import reference
-    from .api import decode
-    from .cache import Mamba2Cache
-
-    H, P, N, G = model.nheads, model.headdim, model.dstate, model.ngroups
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    caches = {
-        "conventional": Mamba2Cache(batch, H, P, N, G, window=1, dtype=dtype, device=dev),
-        "replayssm": Mamba2Cache(batch, H, P, N, G, window=window, dtype=dtype, device=dev),
-    }
     slots = torch.randperm(batch, generator=gen, device=dev).to(torch.int32)
-    init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
+    # (slots, heads, d_v, d_k) for both layers: Mamba-2 (H, P, N), GDN (HV, V, K)
+    init = torch.randn(batch, model.nheads, model.headdim, model.dstate, generator=gen, device=dev) * 0.1
+    layer = _LAYERS[model.layer](model, gen, dev)
+    caches = {
+        "conventional": layer.cache(batch, 1, dtype, dev),
+        "replayssm": layer.cache(batch, window, dtype, dev),
+    }
     for c in caches.values():
         c.load_prefill(slots, init)
     ref_state = init.double()
-    A = -(1.0 + torch.rand(H, generator=gen, device=dev))
-    dt_bias = -4.0 + torch.rand(H, generator=gen, device=dev)
-    D = torch.randn(H, generator=gen, device=dev)
 
-    out_tol = OUT_TOL[str(dtype).replace("torch.", "")]
+    out_tol = layer.out_tol(dtype)
+    state_tol = {"conventional": layer.state_tol(1, dtype), "replayssm": layer.state_tol(window, dtype)}
     rows = torch.arange(batch, device=dev)
     sidx = slots.long()
     warm = window - 1
     res = {"out_err": {k: 0.0 for k in caches}, "flush_err": 0.0, "flushes": 0,
            "conv_state_err": 0.0, "final_err": {}, "steps": warm + windows * window, "failures": [],
-           "failed": 0}
+           "failed": 0, "kind": layer.kind, "out_tol": out_tol, "state_tol": state_tol}
     fails = res["failures"]
 
     def fail(msg):
@@ -82,18 +210,14 @@ def staggered_check(model, batch: int, window: int, windows: int, dtype, device,
         # Warm-up step k < L-1: rows with r % L <= k are padding, so row r ends up at h = r % L.
         live = (rows % window) > step if step < warm else torch.ones_like(rows, dtype=torch.bool)
         step_slots = torch.where(live, slots, torch.full_like(slots, -1))
-        x = torch.randn(batch, H, P, generator=gen, device=dev).to(dtype)
-        dt = (0.5 * torch.randn(batch, H, generator=gen, device=dev)).to(dtype)
-        B = torch.randn(batch, G, N, generator=gen, device=dev).to(dtype)
-        C = torch.randn(batch, G, N, generator=gen, device=dev).to(dtype)
+        token = layer.token(batch, dtype, gen, dev)
         h_before = caches["replayssm"].cursor[sidx].clone()
-        fill = torch.randn(batch, H, P, generator=gen, device=dev).to(dtype)
+        fill = torch.randn((batch,) + layer.out_dims, generator=gen, device=dev).to(dtype)
         outs = {}
         for name, c in caches.items():
             outs[name] = fill.clone()
-            decode(c, x, dt, A, B, C, step_slots, D=D, dt_bias=dt_bias, dt_softplus=True, out=outs[name])
-        y_ref, new_state = reference.mamba2_conventional_step(ref_state, x, dt, A, B, C, D=D,
-                                                              dt_bias=dt_bias, dt_softplus=True)
+            layer.decode(c, token, step_slots, outs[name])
+        y_ref, new_state = layer.reference(ref_state, token)
         ref_state[live] = new_state[live]
         for name, out in outs.items():
             e = _rel(out[live], y_ref[live])
@@ -104,33 +228,36 @@ def staggered_check(model, batch: int, window: int, windows: int, dtype, device,
                 fail(f"step {step}: {name} wrote the outputs of padding rows")
         e = _rel(caches["conventional"].checkpoint[sidx][live], ref_state[live])
         res["conv_state_err"] = max(res["conv_state_err"], e)
-        if not e < STATE_TOL:
+        if not e < state_tol["conventional"]:
             fail(f"step {step}: conventional state off by {e:.2e}")
         flushed = live & (h_before + 1 == window)
         if flushed.any():
             res["flushes"] += int(flushed.sum())
             e = _rel(caches["replayssm"].checkpoint[sidx][flushed], ref_state[flushed])
             res["flush_err"] = max(res["flush_err"], e)
-            if not e < STATE_TOL:
+            if not e < state_tol["replayssm"]:
                 fail(f"step {step}: ReplaySSM checkpoint after flush off by {e:.2e}")
     for name, c in caches.items():
-        e = _rel(c.materialize(slots, A), ref_state)
+        e = _rel(layer.materialize(c, slots), ref_state)
         res["final_err"][name] = e
-        if not e < STATE_TOL:
+        if not e < state_tol[name]:
             fail(f"end: {name} state (materialized) off by {e:.2e}")
-    res["out_tol"] = out_tol
     return res
 
 
 def _print_check(res, batch, window, windows, dtype_name) -> None:
-    print(f"check: batch {batch}, {dtype_name} activations, {window - 1} staggered warm-up steps + "
-          f"{windows} windows of {window} = {res['steps']} steps, against the float64 recurrence")
+    tol = res["state_tol"]
+    tols = (f"{tol['conventional']:.0e}" if tol["conventional"] == tol["replayssm"] else
+            f"conventional {tol['conventional']:.0e}, ReplaySSM {tol['replayssm']:.0e}")
+    print(f"check: {res['kind']} layer, batch {batch}, {dtype_name} activations, {window - 1} staggered "
+          f"warm-up steps + {windows} windows of {window} = {res['steps']} steps, against the float64 "
+          f"recurrence")
     print(f"  outputs, max relative L2 error: conventional {res['out_err']['conventional']:.2e}, "
           f"ReplaySSM {res['out_err']['replayssm']:.2e} (tolerance {res['out_tol']:.0e})")
     print(f"  states:  conventional every step {res['conv_state_err']:.2e}; ReplaySSM checkpoint "
           f"after {res['flushes']} row flushes {res['flush_err']:.2e}; at the end (materialized) "
           f"conventional {res['final_err']['conventional']:.2e}, ReplaySSM "
-          f"{res['final_err']['replayssm']:.2e} (tolerance {STATE_TOL:.0e})")
+          f"{res['final_err']['replayssm']:.2e} (tolerance {tols})")
     for f in res["failures"]:
         print(f"  FAILED: {f}")
     if res["failed"] > len(res["failures"]):
@@ -143,19 +270,16 @@ def _print_check(res, batch, window, windows, dtype_name) -> None:
 def _gpu_demo(model, shard, args) -> int:
     import torch
 
-    from .cache import Mamba2Cache
     from .compile_cache import target_arch
-    from .kernels_host import mamba2_decode_kernel
-    from .perf import DecodePool, ideal_bytes, time_graph
 
     L, batch = args.window, args.batch
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name(dev)}; kernels for {target_arch()}")
+    layer = _LAYERS[shard.layer]
     for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
-        probe = Mamba2Cache(1, shard.nheads, shard.headdim, shard.dstate, shard.ngroups, window=w,
-                            dtype=torch.bfloat16, device=dev)
+        probe = layer(shard, torch.Generator(device=dev), dev).cache(1, w, torch.bfloat16, dev)
         t0 = time.perf_counter()
-        mamba2_decode_kernel(probe, torch.bfloat16, True, False, True, True, batch)
+        layer.kernel(probe, batch)
         print(f"  {name:18s} kernel ready in {time.perf_counter() - t0:5.1f} s "
               f"(compiled, or loaded from the disk cache)")
         del probe
@@ -163,6 +287,8 @@ def _gpu_demo(model, shard, args) -> int:
     res = staggered_check(shard, batch, L, args.windows, torch.bfloat16, dev, seed=args.seed)
     _print_check(res, batch, L, args.windows, "bf16")
     torch.cuda.empty_cache()
+
+    from .perf import DecodePool, ideal_bytes, time_graph
 
     ideal = ideal_bytes(shard, batch, L)
     timings = {}
@@ -223,10 +349,10 @@ def _cpu_demo(model, shard, args) -> int:
     _print_check(res, batch, L, args.windows, "fp32")
     print(f"  (reference path, {time.perf_counter() - t0:.1f} s)")
 
-    from .kernels_host import compile_mamba2
-    from .precompile import mamba2_variants
+    from .precompile import compile_variant
+    from .precompile import variants as kernel_variants
 
-    variants = mamba2_variants(shard, L, ["bf16"])
+    variants = kernel_variants(shard, L, ["bf16"])
     print(f"compile: {len(variants)} kernels for {arch} (compiled, or loaded from the disk cache; "
           f"not run without a GPU)")
     compile_failures = []
@@ -234,7 +360,7 @@ def _cpu_demo(model, shard, args) -> int:
     for label, shape, cfg in variants:
         t1 = time.perf_counter()
         try:
-            compile_mamba2(shape, cfg)
+            compile_variant(shard.layer, shape, cfg)
         except Exception as e:  # report every kernel, then fail
             compile_failures.append(label)
             print(f"  {label:40s} FAILED: {type(e).__name__}: {e}")
@@ -279,10 +405,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    if model.layer != "mamba2":
-        mamba2 = ", ".join(m.name for m in MODELS.values() if m.layer == "mamba2")
-        print(f"demo: {model.name} is a {model.layer} model; only Mamba-2 (mamba2) models are "
-              f"supported so far. Try one of: {mamba2}", file=sys.stderr)
+    if model.layer not in _LAYERS:
+        print(f"demo: {model.name} is a {model.layer} model; the demo knows "
+              f"{', '.join(sorted(_LAYERS))} layers", file=sys.stderr)
         return 2
     try:
         shard = model.shard(args.tp)
@@ -293,8 +418,12 @@ def main(argv=None) -> int:
     import torch
 
     t0 = time.perf_counter()
-    print(f"{model.name}, tp {args.tp}: Mamba-2 layer shard H={shard.nheads} P={shard.headdim} "
-          f"N={shard.dstate} G={shard.ngroups} ({model.num_layers} SSM layers); state "
+    if shard.layer == "gdn":
+        dims = (f"GDN layer shard HV={shard.nheads} value heads, V={shard.headdim}, K={shard.dstate}, "
+                f"H={shard.ngroups} key heads")
+    else:
+        dims = f"Mamba-2 layer shard H={shard.nheads} P={shard.headdim} N={shard.dstate} G={shard.ngroups}"
+    print(f"{model.name}, tp {args.tp}: {dims} ({model.num_layers} SSM layers); state "
           f"{shard.nheads * shard.headdim * shard.dstate * 4 / 2**20:.1f} MiB per sequence per layer; "
           f"window L={args.window}")
     if torch.cuda.is_available():

@@ -24,15 +24,22 @@ import time
 from pathlib import Path
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 _BATCHES = (1, 1024)  # one batch size for each side of the small / large launch-config split
+
+
+def config_label(config) -> str:
+    """rows{R}_warps{W}[_ctas{C}]: a launch config in a variant's label (unique per config)."""
+    label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
+    if config.min_ctas_per_sm:
+        label += f"_ctas{config.min_ctas_per_sm}"
+    return label
 
 
 def _layer_variants(layer: str, window: int, dtypes, make_shape, default_config):
     """(label, shape, config) for window 1 and `window`, each dtype, each default launch config.
 
-    make_shape(dtype, L) builds the static shape; default_config(batch, L) the launch config.
+    make_shape(dtype, L) builds the static shape; default_config(batch, L, shape) the launch
+    config decode picks for it.
     """
     import torch
 
@@ -41,10 +48,10 @@ def _layer_variants(layer: str, window: int, dtypes, make_shape, default_config)
         dtype = getattr(torch, _DTYPES[dname])
         for L in sorted({1, window}):
             shape = make_shape(dtype, L)
-            configs = {default_config(b, L) for b in _BATCHES}
+            configs = {default_config(b, L, shape) for b in _BATCHES}
             for cfg in sorted(configs, key=lambda c: c.key()):
                 mode = "conventional" if L == 1 else f"replay_L{L}"
-                out.append((f"{layer}_{mode}_{dname}_rows{cfg.rows_per_cta}", shape, cfg))
+                out.append((f"{layer}_{mode}_{dname}_{config_label(cfg)}", shape, cfg))
     return out
 
 
@@ -56,7 +63,7 @@ def mamba2_variants(model, window: int, dtypes, with_z: bool = False, pad_slot_i
         "mamba2", window, dtypes,
         lambda dtype, L: mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
                                       dtype, dtype, True, with_z, True, True, pad_slot_id),
-        lambda batch, L: default_mamba2_config(model.headdim, batch, L))
+        lambda batch, L, shape: default_mamba2_config(model.headdim, batch, L))
 
 
 def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
@@ -75,7 +82,7 @@ def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
         lambda dtype, L: gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
                                    dtype, dtype, torch.float32, torch.float32, None, False,
                                    pad_slot_id),
-        lambda batch, L: default_gdn_config(model.headdim, batch, L))
+        lambda batch, L, shape: default_gdn_config(model.headdim, batch, L, shape))
 
 
 def _option_error(model, with_z: bool):

@@ -167,13 +167,20 @@ def _slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def _slot_cursor(cache, slot: int) -> int:
+def _slot_cursor(cache, slot: int, allow_full: bool = False) -> int:
+    """cursor[slot], checked: 0 <= h < window, or 0 <= h <= window with ``allow_full`` (after a
+    speculative commit a slot may hold exactly L committed records; see reference_spec)."""
     h = int(cache.cursor[slot])
-    if not 0 <= h < cache.window:
-        raise RuntimeError(
-            f"cache.cursor[{slot}] = {h} is outside [0, window={cache.window}); the cache is corrupt"
-        )
+    if not (0 <= h <= cache.window if allow_full else 0 <= h < cache.window):
+        bound = f"[0, window={cache.window}]" if allow_full else f"[0, window={cache.window})"
+        raise RuntimeError(f"cache.cursor[{slot}] = {h} is outside {bound}; the cache is corrupt")
     return h
+
+
+def _spec_room(cache) -> bool:
+    """True when the cache has ring room for drafts (max_draft > 0): only then can a
+    speculative commit leave a slot with h == window committed records."""
+    return getattr(cache, "max_draft", 0) > 0
 
 
 # ----------------------------------------------------------------------------- layer math
@@ -426,7 +433,8 @@ def mamba2_decode_cache_(
 
 def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
     """Current state of each named slot, float64 (n, H, P, N): checkpoint + replay of its
-    committed records (read as stored). Slot ids must lie in [0, num_slots)."""
+    committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
+    with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
     ids = _slot_list(slot_ids)
     out = torch.empty(
         (len(ids), cache.nheads, cache.headdim, cache.dstate), dtype=_F64, device=cache.checkpoint.device
@@ -434,7 +442,7 @@ def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor)
     for i, s in enumerate(ids):
         if not 0 <= s < cache.num_slots:
             raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
-        h = _slot_cursor(cache, s)
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
         rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
         out[i] = mamba2_replay(cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, A)[0]
     return out
@@ -736,7 +744,8 @@ def gdn_decode_cache_(
 
 def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
     """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint + replay of
-    its committed records (read as stored). Slot ids must lie in [0, num_slots)."""
+    its committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
+    with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
     ids = _slot_list(slot_ids)
     out = torch.empty(
         (len(ids), cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), dtype=_F64,
@@ -745,7 +754,7 @@ def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
     for i, s in enumerate(ids):
         if not 0 <= s < cache.num_slots:
             raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
-        h = _slot_cursor(cache, s)
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
         rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
         out[i] = gdn_replay(cache.checkpoint[s : s + 1], rec_u, rec_k, rec_g)[0]
     return out
