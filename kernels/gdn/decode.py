@@ -278,7 +278,7 @@ class GDNDecode:
                 h = mCursor[slot]
                 origin = mOrigin[slot]
                 g_phys = mRingG[slot64, lane % cap, vhead]
-            flush = h + 1 == L
+            flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
 
             # Lane r (mod RW) owns row i = i_warp + r: its v and u_p[i] at every position p.

@@ -251,7 +251,7 @@ class Mamba2Decode:
                 h = mCursor[slot]
                 origin = mOrigin[slot]
                 dt_phys = mRingDt[slot64, lane % cap, head]
-            flush = h + 1 == L
+            flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
 
             # Lane r < RW owns state row p_warp + r for the per-row terms (loads coalesce).

@@ -134,45 +134,56 @@ def _check_device(cache, device) -> None:
         _fail("cache", "a cache on a CUDA device or the CPU", device)
 
 
-def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-                   out=None, *, config=None):
+def _mamba2_inputs(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts: bool):
+    """Validated Mamba-2 arguments; with `drafts` every token tensor has a draft axis after batch."""
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
     device = cache.checkpoint.device
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        _fail("x", "a (batch, nheads, headdim) tensor", getattr(x, "shape", type(x).__name__))
-    b = x.shape[0]
+    rank = 4 if drafts else 3
+    if not isinstance(x, torch.Tensor) or x.dim() != rank:
+        _fail("x", "a (batch, T, nheads, headdim) tensor" if drafts else "a (batch, nheads, headdim) tensor",
+              getattr(x, "shape", type(x).__name__))
+    lead = tuple(x.shape[:rank - 2])  # (b,) or (b, T)
     if x.dtype not in _ACT_DTYPES:
         _fail("x", f"one of {_ACT_DTYPES}", x.dtype)
     act = cache.dtype
-    x = _activation("x", x, (b, H, P), act, device)
+    x = _activation("x", x, lead + (H, P), act, device)
     if not isinstance(dt, torch.Tensor):
         _fail("dt", "a torch.Tensor", type(dt).__name__)
-    if dt.dim() == 3:
-        if tuple(dt.shape) != (b, H, P) or dt.stride(2) != 0:
-            _fail("dt", f"shape ({b}, {H}) or a stride-0 expansion of shape {(b, H, P)}",
+    if dt.dim() == rank:
+        if tuple(dt.shape) != lead + (H, P) or dt.stride(-1) != 0:
+            _fail("dt", f"shape {lead + (H,)} or a stride-0 expansion of shape {lead + (H, P)}",
                   f"shape {tuple(dt.shape)} strides {dt.stride()}")
-        dt = dt[:, :, 0]
+        dt = dt[..., 0]
     if dt.dtype not in (act, torch.float32):
         _fail("dt", f"dtype {act} or torch.float32", dt.dtype)
-    dt = _activation("dt", dt, (b, H), dt.dtype, device, aligned=False)
+    dt = _activation("dt", dt, lead + (H,), dt.dtype, device, aligned=False)
     if A is None:
         _fail("A", "a tensor", None)
     A = _per_head("A", A, H, (P, N), device)
     D = _per_head("D", D, H, (P,), device)
     dt_bias = _per_head("dt_bias", dt_bias, H, (P,), device)
-    B = _activation("B", B, (b, G, N), act, device)
-    C = _activation("C", C, (b, G, N), act, device)
+    B = _activation("B", B, lead + (G, N), act, device)
+    C = _activation("C", C, lead + (G, N), act, device)
     if z is not None:
-        z = _activation("z", z, (b, H, P), act, device)
-    slot_ids = _slot_ids(slot_ids, b, device)
+        z = _activation("z", z, lead + (H, P), act, device)
+    slot_ids = _slot_ids(slot_ids, lead[0], device)
     if out is None:
-        out = torch.empty((b, H, P), dtype=act, device=device)
+        out = torch.empty(lead + (H, P), dtype=act, device=device)
     else:
-        out = _activation("out", out, (b, H, P), act, device)
+        out = _activation("out", out, lead + (H, P), act, device)
     if not isinstance(dt_softplus, bool):
         _fail("dt_softplus", "a bool", type(dt_softplus).__name__)
     if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_slots(cache, slot_ids)
+    return x, dt, A, B, C, slot_ids, D, z, dt_bias, out
+
+
+def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   out=None, *, config=None):
+    x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
+        cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=False)
+    b = x.shape[0]
+    device = cache.checkpoint.device
     if b == 0:
         return out
 
@@ -192,6 +203,98 @@ def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
         ring = (None,) * 6
     kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, *ring)
     return out
+
+
+def verify(cache, *args, **kwargs):
+    """Speculative verification of T draft tokens per row; returns ``out`` (b, T, ...).
+
+    With a :class:`Mamba2Cache` (``max_draft >= T``)::
+
+        verify(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+               out=None, *, config=None)  -> out (b, T, H, P)
+
+    with every token tensor laid out (b, T, ...) as decode's. Each row's T outputs come from its
+    checkpoint and committed records without writing a state; the drafts' records are appended
+    behind the committed ones; a row with h + T > window first folds its committed records into
+    the checkpoint (one state write). Follow every verify with :func:`commit` before the next
+    step: between the two, a slot's cursor and origin are internal.
+    """
+    if isinstance(cache, Mamba2Cache):
+        return _verify_mamba2(cache, *args, **kwargs)
+    if isinstance(cache, GDNCache):
+        raise NotImplementedError("verify: GDN caches are not supported yet (reference only: "
+                                  "replayssm_cute.reference_spec.gdn_verify_cache_)")
+    raise TypeError(f"verify: argument 'cache': expected a Mamba2Cache, got {type(cache).__name__}")
+
+
+def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   out=None, *, config=None):
+    if cache.max_draft < 1:
+        _fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
+    x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
+        cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
+    b, T = x.shape[:2]
+    if not 1 <= T <= min(cache.max_draft, cache.window):
+        _fail("x", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
+    device = cache.checkpoint.device
+    cache.pending_drafts = T  # what the next commit applies
+    if b == 0:
+        return out
+    if device.type == "cpu":
+        from .reference_spec import mamba2_verify_cache_
+
+        return mamba2_verify_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
+                                    dt_softplus=dt_softplus, out=out)
+    _check_device(cache, device)
+
+    from .kernels_host import mamba2_verify_kernel
+
+    kernel = mamba2_verify_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
+                                  dt_softplus, b, config)
+    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
+           cache.ring_dt, cache.cursor, cache.origin)
+    return out
+
+
+def commit(cache, slot_ids, num_accepted):
+    """Accept the first ``num_accepted[r]`` (1..T) drafts of each row of the last :func:`verify`.
+
+    ``num_accepted`` is an int32 device tensor (b,), so a verify + commit step captures in one CUDA
+    graph. Rejected drafts are dropped by moving the cursor (nothing is copied); after a flush
+    the origin moves past the folded records. Pad rows are skipped. Values outside 1..T are
+    not checked on the device (``REPLAYSSM_CUTE_DEBUG=1`` checks them on the host).
+    """
+    if not isinstance(cache, (Mamba2Cache, GDNCache)):
+        raise TypeError(f"commit: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
+    T = getattr(cache, "pending_drafts", None)
+    if T is None:
+        raise ValueError("commit: argument 'cache': no verify step to commit (call verify first)")
+    device = cache.checkpoint.device
+    b = slot_ids.shape[0] if isinstance(slot_ids, torch.Tensor) else -1
+    slot_ids = _slot_ids(slot_ids, b, device)
+    if (not isinstance(num_accepted, torch.Tensor) or num_accepted.dtype != torch.int32
+            or tuple(num_accepted.shape) != (b,) or num_accepted.device != device or not num_accepted.is_contiguous()):
+        _fail("num_accepted", f"a contiguous int32 tensor of shape ({b},) on {device}",
+              f"{getattr(num_accepted, 'dtype', type(num_accepted).__name__)} {tuple(getattr(num_accepted, 'shape', ()))}")
+    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_slots(cache, slot_ids)
+        live = [i for i, s_ in enumerate(slot_ids.tolist()) if s_ != cache.pad_slot_id and 0 <= s_ < cache.num_slots]
+        bad = [a for i, a in enumerate(num_accepted.tolist()) if i in live and not 1 <= a <= T]
+        if bad:
+            raise ValueError(f"commit: argument 'num_accepted': expected values in [1, {T}], got {bad[:8]}")
+    cache.pending_drafts = None
+    if b == 0:
+        return
+    if device.type == "cpu":
+        from .reference_spec import commit_cache_
+
+        commit_cache_(cache, slot_ids, num_accepted, num_drafts=T)
+        return
+    _check_device(cache, device)
+
+    from .kernels_host import commit_kernel
+
+    commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin)
 
 
 def _gdn_param(name: str, t, HV: int, act, device) -> torch.Tensor:

@@ -126,3 +126,41 @@ def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batc
             raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
         kernel = _fast[fast_key] = compile_gdn(shape, cfg)
     return kernel
+
+
+def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
+    """The callable for one verify step of `num_drafts` drafts on a Mamba-2 `cache` (memoised)."""
+    fast_key = ("mamba2_verify", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
+                cache.window, cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
+                dt_softplus, cache.pad_slot_id, batch <= 16, config)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        from .compile_cache import compile_options, get_compiled
+        from .kernels.mamba2.verify import Mamba2Verify, compile_verify
+
+        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
+                             cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
+                             dt_softplus, cache.pad_slot_id)
+        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch, cache.window)
+        reason = Mamba2Verify.check(shape, cfg, num_drafts)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
+        kernel = _fast[fast_key] = get_compiled(
+            "mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
+            lambda: compile_verify(shape, cfg, num_drafts, compile_options()))
+    return kernel
+
+
+def commit_kernel(cache, num_drafts):
+    """The callable of the commit step after a verify of `num_drafts` drafts (memoised)."""
+    fast_key = ("commit", cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        from .compile_cache import compile_options, get_compiled
+        from .kernels.commit import CommitShape, compile_commit
+
+        shape = CommitShape(cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
+        kernel = _fast[fast_key] = get_compiled("commit", shape.key(),
+                                                lambda: compile_commit(shape, compile_options()))
+    return kernel

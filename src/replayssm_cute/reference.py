@@ -375,7 +375,8 @@ def mamba2_decode_cache_(
       * non-flush (h + 1 < window): writes the record at (origin + h) % capacity (x and B
         cast to the ring dtype, processed dt cast to fp32), cursor += 1; the checkpoint is
         not written;
-      * flush (h + 1 == window): writes the new checkpoint (cast to fp32), cursor = 0,
+      * flush (h + 1 >= window; h == window only after a speculative commit): writes the new
+        checkpoint (cast to fp32), cursor = 0,
         origin unchanged; the flushing token's record is folded, not stored.
 
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
@@ -398,7 +399,7 @@ def mamba2_decode_cache_(
     else:
         _check_shape("out", out, (b, H, P))
     for r, s in _active_rows(cache, slot_ids, b, "x"):
-        h = _slot_cursor(cache, s)
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
         rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
         row = slice(r, r + 1)
         y, new_ckpt, _, _, new_dt = mamba2_replay_step(
@@ -415,11 +416,11 @@ def mamba2_decode_cache_(
             None if z is None else z[row],
             dt_bias,
             dt_softplus,
-            window=cache.window,
+            window=max(cache.window, h + 1),  # h == window after a speculative commit: flush all
             route="output_only",
         )
         out[r] = y[0].to(dtype=out.dtype, device=out.device)
-        if h + 1 == cache.window:
+        if h + 1 >= cache.window:
             cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
             cache.cursor[s] = 0
         else:
@@ -683,7 +684,8 @@ def gdn_decode_cache_(
         fp16, the normalised k to the activation dtype, g to fp32 (and, when the cache keeps
         them, v to the activation dtype and beta to fp32); cursor += 1; the checkpoint is
         not written;
-      * flush (h + 1 == window): writes the new checkpoint (cast to fp32), cursor = 0,
+      * flush (h + 1 >= window; h == window only after a speculative commit): writes the new
+        checkpoint (cast to fp32), cursor = 0,
         origin unchanged; the flushing token's record is folded, not stored.
 
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
@@ -707,7 +709,7 @@ def gdn_decode_cache_(
     else:
         _check_shape("out", out, (bsz, HV, V))
     for r, s in _active_rows(cache, slot_ids, bsz, "v"):
-        h = _slot_cursor(cache, s)
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
         rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
         row = slice(r, r + 1)
         o, new_ckpt, new_u, new_k, new_g = gdn_replay_step(
@@ -723,10 +725,10 @@ def gdn_decode_cache_(
             A_log,
             dt_bias,
             scale,
-            window=cache.window,
+            window=max(cache.window, h + 1),  # h == window after a speculative commit: flush all
         )
         out[r] = o[0].to(dtype=out.dtype, device=out.device)
-        if h + 1 == cache.window:
+        if h + 1 >= cache.window:
             cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
             cache.cursor[s] = 0
         else:

@@ -1,0 +1,147 @@
+"""Speculative verify + commit kernels on the GPU against the float64 recurrence (marked gpu).
+
+At least 200 steps per case with random acceptance per row: every draft's output against the
+recurrence run from the row's accepted stream, the checkpoint of every flushing row against the
+state of its committed records, materialized states after every commit, pad rows and untouched
+slots bit-identical, standard decode steps interleaved on the same cache (cursor == window after
+a commit included), and the verify + commit step captured in one CUDA graph.
+"""
+
+import pytest
+import torch
+
+import replayssm_cute as rs
+from replayssm_cute import reference, reference_spec
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"super": (128, 64, 128, 8), "odd": (12, 48, 64, 3)}  # H, P, N, G
+
+
+def _params(H, device, gen):
+    A = -(1.0 + torch.rand(H, generator=gen, device=device))
+    dt_bias = -4.0 + torch.rand(H, generator=gen, device=device)
+    D = torch.randn(H, generator=gen, device=device)
+    return A.float(), dt_bias.float(), D.float()
+
+
+def _tokens(lead, H, P, N, G, dtype, device, gen):
+    x = torch.randn(*lead, H, P, generator=gen, device=device).to(dtype)
+    dt = (0.5 * torch.randn(*lead, H, generator=gen, device=device)).to(dtype)
+    B = torch.randn(*lead, G, N, generator=gen, device=device).to(dtype)
+    C = torch.randn(*lead, G, N, generator=gen, device=device).to(dtype)
+    return x, dt, B, C
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _cache_tensors(cache):
+    return [cache.checkpoint, cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin]
+
+
+@pytest.mark.parametrize("shape,window,T,batch", [
+    ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("super", 16, 8, 64), ("super", 16, 2, 37), ("odd", 5, 1, 9),
+])
+def test_verify_commit_random_acceptance(shape, window, T, batch):
+    H, P, N, G = SHAPES[shape]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(window * 100 + T)
+    host = torch.Generator().manual_seed(T)
+    extra = 3
+    cache = rs.Mamba2Cache(batch + extra, H, P, N, G, window=window, max_draft=T, dtype=torch.bfloat16,
+                           device=dev)
+    slots = torch.randperm(batch + extra, generator=gen, device=dev)[:batch].to(torch.int32)
+    init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
+    cache.load_prefill(slots, init)
+    ref_state = init.double().clone()
+    A, dt_bias, D = _params(H, dev, gen)
+    idle = sorted(set(range(batch + extra)) - set(slots.tolist()))
+    idle_before = [t[idle].clone() for t in _cache_tensors(cache)]
+    flushes = 0
+    for step in range(200):
+        live = torch.rand(batch, generator=gen, device=dev) > 0.1
+        if batch > 2 and step % 7 == 0:
+            live[batch // 2] = False  # an out-of-pool id below
+        step_slots = torch.where(live, slots, torch.full_like(slots, -1))
+        if batch > 2 and step % 7 == 0:
+            step_slots[batch // 2] = batch + extra + 5
+        h_before = cache.cursor[slots.long()].clone()
+        ck_before = cache.checkpoint[slots.long()].clone()
+        if step % 10 == 9:
+            # A standard decode step on the same cache (T = 1 of the same stream).
+            x, dt, B, C = _tokens((batch,), H, P, N, G, torch.bfloat16, dev, gen)
+            out = rs.decode(cache, x, dt, A, B, C, step_slots, D=D, dt_bias=dt_bias, dt_softplus=True)
+            y_ref, new_state = reference.mamba2_conventional_step(
+                ref_state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+            assert _rel(out[live], y_ref[live]) < 1e-2, f"step {step} decode outputs"
+            ref_state[live] = new_state[live]
+            continue
+        x, dt, B, C = _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)
+        out = torch.full((batch, T, H, P), 777.0, dtype=torch.bfloat16, device=dev)
+        rs.verify(cache, x, dt, A, B, C, step_slots, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+        y_ref, snaps = reference_spec.mamba2_snapshot_verify(ref_state, x, dt, A, B, C, D=D, dt_bias=dt_bias,
+                                                             dt_softplus=True)
+        assert _rel(out[live], y_ref[live]) < 1e-2, f"step {step} draft outputs"
+        assert torch.all(out[~live] == 777.0), "pad rows' outputs must be untouched"
+        flushed = live & (h_before + T > window)
+        ck = cache.checkpoint[slots.long()]
+        if flushed.any():
+            flushes += 1
+            assert _rel(ck[flushed], ref_state[flushed]) < 2e-5, f"step {step} checkpoint after flush"
+        assert torch.equal(ck[~flushed], ck_before[~flushed]), "only flushing rows write the checkpoint"
+        accepted = torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32).to(dev)
+        rs.commit(cache, step_slots, accepted)
+        acc = accepted.long()
+        for r in live.nonzero().flatten().tolist():
+            ref_state[r] = snaps[r, acc[r] - 1]
+        h_now = cache.cursor[slots.long()]
+        expect_h = torch.where(flushed, accepted, h_before + accepted)
+        assert torch.equal(h_now[live], expect_h[live]), f"step {step} cursors"
+        assert torch.equal(h_now[~live], h_before[~live])
+        assert int(h_now.max()) <= window, "at most L committed records"
+        assert _rel(cache.materialize(slots, A), ref_state) < 2e-5, f"step {step} materialized state"
+    assert flushes > 10
+    for before, t in zip(idle_before, _cache_tensors(cache)):
+        assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
+
+
+def test_verify_commit_cuda_graph():
+    """One graph holds verify + commit; replays with fresh drafts and acceptance per row."""
+    H, P, N, G = SHAPES["odd"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    host = torch.Generator().manual_seed(3)
+    batch, window, T = 16, 8, 4
+    cache = rs.Mamba2Cache(batch + 1, H, P, N, G, window=window, max_draft=T, device=dev)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
+    cache.load_prefill(slots, init)
+    ref_state = init.double().clone()
+    A, dt_bias, D = _params(H, dev, gen)
+    static = _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)
+    out = torch.empty(batch, T, H, P, dtype=torch.bfloat16, device=dev)
+    accepted = torch.ones(batch, dtype=torch.int32, device=dev)
+    pad = torch.full_like(slots, -1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside capture, on pad rows only
+        rs.verify(cache, *static[:2], A, *static[2:], pad, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+        rs.commit(cache, pad, accepted)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rs.verify(cache, *static[:2], A, *static[2:], slots, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+        rs.commit(cache, slots, accepted)
+    for replay in range(60):
+        for dst, src in zip(static, _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)):
+            dst.copy_(src)
+        accepted.copy_(torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32))
+        graph.replay()
+        x, dt, B, C = static
+        y_ref, snaps = reference_spec.mamba2_snapshot_verify(ref_state, x, dt, A, B, C, D=D, dt_bias=dt_bias,
+                                                             dt_softplus=True)
+        assert _rel(out, y_ref) < 1e-2, f"replay {replay}"
+        ref_state = snaps[torch.arange(batch), accepted.long() - 1]
+    assert _rel(cache.materialize(slots, A), ref_state) < 2e-5
