@@ -145,3 +145,95 @@ def test_verify_commit_cuda_graph():
         assert _rel(out, y_ref) < 1e-2, f"replay {replay}"
         ref_state = snaps[torch.arange(batch), accepted.long() - 1]
     assert _rel(cache.materialize(slots, A), ref_state) < 2e-5
+
+
+GDN_SHAPES = {"qwen3.5-122b": (16, 64, 128, 128), "odd": (2, 6, 64, 64)}  # H, HV, K, V
+
+
+def _gdn_tokens(lead, H, HV, K, V, dtype, device, gen):
+    q = torch.randn(*lead, H, K, generator=gen, device=device).to(dtype)
+    k = torch.randn(*lead, H, K, generator=gen, device=device).to(dtype)
+    v = torch.randn(*lead, HV, V, generator=gen, device=device).to(dtype)
+    a = torch.randn(*lead, HV, generator=gen, device=device).to(dtype)
+    b = torch.randn(*lead, HV, generator=gen, device=device).to(dtype)
+    return q, k, v, a, b
+
+
+def _gdn_cache_tensors(cache):
+    return [cache.checkpoint, cache.ring_u, cache.ring_k, cache.ring_g, cache.cursor, cache.origin]
+
+
+@pytest.mark.parametrize("shape,window,T,batch", [
+    ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("qwen3.5-122b", 16, 4, 32), ("odd", 5, 1, 9),
+])
+def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
+    """GDN verify (drafts' corrections by the triangular solve) + commit over 200 steps against the
+    float64 recurrence on the accepted stream; checkpoints after flushes against the fold of
+    the stored records; standard decode steps interleaved."""
+    H, HV, K, V = GDN_SHAPES[shape]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(window * 10 + T)
+    host = torch.Generator().manual_seed(T + 1)
+    extra = 3
+    cache = rs.GDNCache(batch + extra, HV, V, K, H, window=window, max_draft=T, dtype=torch.bfloat16,
+                        device=dev)
+    slots = torch.randperm(batch + extra, generator=gen, device=dev)[:batch].to(torch.int32)
+    init = torch.randn(batch, HV, V, K, generator=gen, device=dev) * 0.1
+    cache.load_prefill(slots, init)
+    ref_state = init.double().clone()
+    A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen, device=dev))
+    dt_bias = -4.0 + torch.rand(HV, generator=gen, device=dev)
+    idle = sorted(set(range(batch + extra)) - set(slots.tolist()))
+    idle_before = [t[idle].clone() for t in _gdn_cache_tensors(cache)]
+    flushes = 0
+    for step in range(200):
+        live = torch.rand(batch, generator=gen, device=dev) > 0.1
+        step_slots = torch.where(live, slots, torch.full_like(slots, -1))
+        h_before = cache.cursor[slots.long()].clone()
+        ck_before = cache.checkpoint[slots.long()].clone()
+        if step % 10 == 9:
+            q, k, v, a, b = _gdn_tokens((batch,), H, HV, K, V, torch.bfloat16, dev, gen)
+            out = rs.decode(cache, q, k, v, a, b, A_log, dt_bias, step_slots)
+            o_ref, new_state = reference.gdn_conventional_step(ref_state, q, k, v, a, b, A_log, dt_bias)
+            assert _rel(out[live], o_ref[live]) < 2e-2, f"step {step} decode outputs"
+            ref_state[live] = new_state[live]
+            continue
+        q, k, v, a, b = _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)
+        out = torch.full((batch, T, HV, V), 777.0, dtype=torch.bfloat16, device=dev)
+        flushed = live & (h_before + T > window)
+        fl = flushed.nonzero().flatten()
+        if fl.numel():
+            # The fold of the records as stored, for the tight checkpoint check.
+            idx = (cache.origin[slots[fl].long()].long()[:, None]
+                   + torch.arange(window, device=dev)) % cache.capacity
+            rows = slots[fl].long()[:, None]
+            hs = h_before[fl].long()
+            stored = [cache.ring_u[rows, idx].double(), cache.ring_k[rows, idx].double(),
+                      cache.ring_g[rows, idx].double()]
+            mask = torch.arange(window, device=dev)[None, :] < hs[:, None]  # committed records only
+            stored[0] = stored[0] * mask[:, :, None, None]
+            stored[2] = stored[2] * mask[:, :, None]
+            expect = reference.gdn_replay(ck_before[fl], *stored)
+        rs.verify(cache, q, k, v, a, b, A_log, dt_bias, step_slots, out=out)
+        o_ref, snaps = reference_spec.gdn_snapshot_verify(ref_state, q, k, v, a, b, A_log, dt_bias)
+        assert _rel(out[live], o_ref[live]) < 2e-2, f"step {step} draft outputs"
+        assert torch.all(out[~live] == 777.0), "pad rows' outputs must be untouched"
+        ck = cache.checkpoint[slots.long()]
+        if fl.numel():
+            flushes += 1
+            assert _rel(ck[fl], expect) < 2e-5, f"step {step} checkpoint vs fold of stored records"
+            assert _rel(ck[fl], ref_state[fl]) < 2e-2, f"step {step} checkpoint vs recurrence"
+        assert torch.equal(ck[~flushed], ck_before[~flushed]), "only flushing rows write the checkpoint"
+        accepted = torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32).to(dev)
+        rs.commit(cache, step_slots, accepted)
+        for r in live.nonzero().flatten().tolist():
+            ref_state[r] = snaps[r, accepted[r].long() - 1]
+        h_now = cache.cursor[slots.long()]
+        expect_h = torch.where(flushed, accepted, h_before + accepted)
+        assert torch.equal(h_now[live], expect_h[live]), f"step {step} cursors"
+        assert torch.equal(h_now[~live], h_before[~live])
+        assert int(h_now.max()) <= window
+        assert _rel(cache.materialize(slots), ref_state) < 2e-2, f"step {step} materialized state"
+    assert flushes > 10
+    for before, t in zip(idle_before, _gdn_cache_tensors(cache)):
+        assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"

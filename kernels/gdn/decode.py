@@ -49,7 +49,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many
+from ..common import issue_tile_loads, make_row_tma, smem_fit, warp_reduce_many
+from .common import gdn_gates, normalize_qk
 
 
 def _pow2_at_least(n: int) -> int:
@@ -311,23 +312,9 @@ class GDNDecode:
                 for e in cutlass.range_constexpr(vec):
                     rK[e] = mK[row, khead, lane * vec + e].to(Float32)
                     rQ[e] = mQ[row, khead, lane * vec + e].to(Float32)
-            rNorm = cute.make_rmem_tensor((4,), Float32)
-            rNorm.fill(0.0)
-            for e in cutlass.range_constexpr(vec):
-                rNorm[0] = rNorm[0] + rK[e] * rK[e]
-                rNorm[1] = rNorm[1] + rQ[e] * rQ[e]
-                rNorm[2] = rNorm[2] + rK[e] * rQ[e]
-            part = warp_reduce_many(rNorm, 4)  # lane 8 t holds total t
-            inv_k = cute.math.rsqrt(cute.arch.shuffle_sync(part, 0) + Float32(1e-6))
-            inv_q = cute.math.rsqrt(cute.arch.shuffle_sync(part, 8) + Float32(1e-6)) * Float32(s.q_scale)
-            kq = cute.arch.shuffle_sync(part, 16) * inv_k * inv_q
-            for e in cutlass.range_constexpr(vec):
-                rK[e] = rK[e] * inv_k
-                rQ[e] = rQ[e] * inv_q
-
-            g = -cute.math.exp(mALog[vhead].to(Float32), fastmath=False) * softplus(
-                mA[row, vhead].to(Float32) + mDtBias[vhead].to(Float32))
-            beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mB[row, vhead].to(Float32), fastmath=False))
+            kq = normalize_qk(rK, rQ, vec, s.q_scale)
+            g, beta = gdn_gates(mA[row, vhead].to(Float32), mB[row, vhead].to(Float32),
+                                mALog[vhead].to(Float32), mDtBias[vhead].to(Float32))
 
             # Lane j: g_j of record j < h, this token's g at lane h. The weight of record j in
             # alpha S_h (and in the folded state) is exp(sum of the g after it, this token's

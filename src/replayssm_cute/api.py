@@ -213,6 +213,11 @@ def verify(cache, *args, **kwargs):
         verify(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
                out=None, *, config=None)  -> out (b, T, H, P)
 
+    With a :class:`GDNCache`::
+
+        verify(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None,
+               config=None)  -> out (b, T, HV, V)
+
     with every token tensor laid out (b, T, ...) as decode's. Each row's T outputs come from its
     checkpoint and committed records without writing a state; the drafts' records are appended
     behind the committed ones; a row with h + T > window first folds its committed records into
@@ -222,9 +227,8 @@ def verify(cache, *args, **kwargs):
     if isinstance(cache, Mamba2Cache):
         return _verify_mamba2(cache, *args, **kwargs)
     if isinstance(cache, GDNCache):
-        raise NotImplementedError("verify: GDN caches are not supported yet (reference only: "
-                                  "replayssm_cute.reference_spec.gdn_verify_cache_)")
-    raise TypeError(f"verify: argument 'cache': expected a Mamba2Cache, got {type(cache).__name__}")
+        return _verify_gdn(cache, *args, **kwargs)
+    raise TypeError(f"verify: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
 
 
 def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -331,38 +335,51 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
     return q, k, v
 
 
-def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None,
-                *, scale=None, out=None, mixed_qkv=None, config=None):
+def _gdn_inputs(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixed_qkv, drafts: bool):
+    """Validated GDN arguments; with `drafts` every token tensor has a draft axis after batch."""
     HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
     device = cache.checkpoint.device
     act = cache.dtype
     if mixed_qkv is not None:
+        if drafts:
+            _fail("mixed_qkv", "None for verify (pass q, k, v laid out (batch, T, ...))", "a tensor")
         if q is not None or k is not None or v is not None:
             _fail("mixed_qkv", "q, k and v to be None when mixed_qkv is given", "both")
         q, k, v = _split_mixed_qkv(mixed_qkv, H, K, HV, V, act, device)
-    if not isinstance(v, torch.Tensor) or v.dim() != 3:
-        _fail("v", f"a (batch, {HV}, {V}) tensor (or mixed_qkv)", getattr(v, "shape", type(v).__name__))
-    bsz = v.shape[0]
+    rank = 4 if drafts else 3
+    if not isinstance(v, torch.Tensor) or v.dim() != rank:
+        _fail("v", f"a (batch, T, {HV}, {V}) tensor" if drafts else f"a (batch, {HV}, {V}) tensor (or mixed_qkv)",
+              getattr(v, "shape", type(v).__name__))
+    lead = tuple(v.shape[:rank - 2])  # (b,) or (b, T)
     # Scalar loads on the GPU: any batch stride and alignment, inner dims packed.
-    q = _activation("q", q, (bsz, H, K), act, device, aligned=False)
-    k = _activation("k", k, (bsz, H, K), act, device, aligned=False)
-    v = _activation("v", v, (bsz, HV, V), act, device, aligned=False)
+    q = _activation("q", q, lead + (H, K), act, device, aligned=False)
+    k = _activation("k", k, lead + (H, K), act, device, aligned=False)
+    v = _activation("v", v, lead + (HV, V), act, device, aligned=False)
     if not isinstance(a, torch.Tensor) or a.dtype not in (act, torch.float32):
-        _fail("a", f"a ({bsz}, {HV}) tensor of dtype {act} or torch.float32", getattr(a, "dtype", type(a).__name__))
-    a = _activation("a", a, (bsz, HV), a.dtype, device, aligned=False)
-    b = _activation("b", b, (bsz, HV), a.dtype, device, aligned=False)
+        _fail("a", f"a {lead + (HV,)} tensor of dtype {act} or torch.float32", getattr(a, "dtype", type(a).__name__))
+    a = _activation("a", a, lead + (HV,), a.dtype, device, aligned=False)
+    b = _activation("b", b, lead + (HV,), a.dtype, device, aligned=False)
     A_log = _gdn_param("A_log", A_log, HV, act, device)
     dt_bias = _gdn_param("dt_bias", dt_bias, HV, act, device)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not 0 < scale < float("inf")):
         _fail("scale", "None or a positive finite float", scale)
-    slot_ids = _slot_ids(slot_ids, bsz, device)
+    slot_ids = _slot_ids(slot_ids, lead[0], device)
     if out is None:
-        out = torch.empty((bsz, HV, V), dtype=act, device=device)
+        out = torch.empty(lead + (HV, V), dtype=act, device=device)
     else:
-        out = _activation("out", out, (bsz, HV, V), act, device, aligned=False)
+        out = _activation("out", out, lead + (HV, V), act, device, aligned=False)
     if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_slots(cache, slot_ids)
+    return q, k, v, a, b, A_log, dt_bias, slot_ids, out
+
+
+def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None,
+                *, scale=None, out=None, mixed_qkv=None, config=None):
+    q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
+        cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixed_qkv, drafts=False)
+    bsz = v.shape[0]
+    device = cache.checkpoint.device
     if bsz == 0:
         return out
 
@@ -380,4 +397,30 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
     if cache.window == 1:
         ring = (None,) * 8
     kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, *ring)
+    return out
+
+
+def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None, config=None):
+    if cache.max_draft < 1:
+        _fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
+    q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
+        cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
+    bsz, T = v.shape[:2]
+    if not 1 <= T <= min(cache.max_draft, cache.window):
+        _fail("v", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
+    device = cache.checkpoint.device
+    cache.pending_drafts = T  # what the next commit applies
+    if bsz == 0:
+        return out
+    if device.type == "cpu":
+        from .reference_spec import gdn_verify_cache_
+
+        return gdn_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
+    _check_device(cache, device)
+
+    from .kernels_host import gdn_verify_kernel
+
+    kernel = gdn_verify_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
+    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
+           cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
     return out

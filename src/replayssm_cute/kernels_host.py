@@ -164,3 +164,35 @@ def commit_kernel(cache, num_drafts):
         kernel = _fast[fast_key] = get_compiled("commit", shape.key(),
                                                 lambda: compile_commit(shape, compile_options()))
     return kernel
+
+
+def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
+    """The callable for one verify step of `num_drafts` drafts on a GDN `cache` (memoised)."""
+    fast_key = ("gdn_verify", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
+                cache.num_k_heads, cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
+                dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        from .compile_cache import compile_options, get_compiled
+        from .kernels.gdn.verify import GDNVerify, compile_verify
+
+        shape = gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
+                          cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
+                          dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
+        cfg = config if config is not None else default_gdn_verify_config(cache.head_v_dim, batch)
+        reason = GDNVerify.check(shape, cfg, num_drafts)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
+        kernel = _fast[fast_key] = get_compiled(
+            "gdn_verify", shape.key() + cfg.key() + (num_drafts,),
+            lambda: compile_verify(shape, cfg, num_drafts, compile_options()))
+    return kernel
+
+
+def default_gdn_verify_config(head_v_dim: int, batch: int):
+    """Verify keeps T drafts' terms per row in registers: 4-row warps (16-row tiles) keep the
+    register count moderate."""
+    from .kernels.gdn.decode import GDNConfig
+
+    return GDNConfig(rows_per_cta=16, num_warps=4) if head_v_dim % 16 == 0 else GDNConfig(16, 1)
