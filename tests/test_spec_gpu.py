@@ -237,3 +237,31 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
     assert flushes > 10
     for before, t in zip(idle_before, _gdn_cache_tensors(cache)):
         assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
+
+
+@pytest.mark.parametrize("shape,T,batch", [("super", 8, 64), ("odd", 4, 37), ("super", 2, 1)])
+def test_snapshot_baseline(shape, T, batch):
+    """The conventional speculative baseline kernel against the float64 recurrence: outputs and
+    every snapshot; the cache and pad rows untouched."""
+    H, P, N, G = SHAPES[shape]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T)
+    cache = rs.Mamba2Cache(batch + 2, H, P, N, G, window=1, device=dev)
+    slots = torch.randperm(batch + 2, generator=gen, device=dev)[:batch].to(torch.int32)
+    cache.checkpoint.normal_(generator=gen).mul_(0.1)
+    before = cache.checkpoint.clone()
+    A, dt_bias, D = _params(H, dev, gen)
+    live = torch.ones(batch, dtype=torch.bool, device=dev)
+    if batch > 1:
+        live[batch // 3] = False
+    step_slots = torch.where(live, slots, torch.full_like(slots, -1))
+    x, dt, B, C = _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)
+    snaps = torch.full((batch, T, H, P, N), 5.0, device=dev)
+    out = torch.full((batch, T, H, P), 777.0, dtype=torch.bfloat16, device=dev)
+    rs.snapshot_verify(cache, x, dt, A, B, C, step_slots, snaps, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+    y_ref, s_ref = reference_spec.mamba2_snapshot_verify(cache.checkpoint[slots.long()], x, dt, A, B, C, D=D,
+                                                         dt_bias=dt_bias, dt_softplus=True)
+    assert _rel(out[live], y_ref[live]) < 1e-2
+    assert _rel(snaps[live], s_ref[live]) < 2e-5
+    assert torch.all(out[~live] == 777.0) and torch.all(snaps[~live] == 5.0)
+    assert torch.equal(cache.checkpoint, before)

@@ -10,7 +10,7 @@ if (
 
 __version__ = "0.1.0"
 
-from .api import commit, decode, verify  # noqa: E402
+from .api import commit, decode, snapshot_verify, verify  # noqa: E402
 from .cache import GDNCache, Mamba2Cache  # noqa: E402
 
-__all__ = ["commit", "decode", "verify", "GDNCache", "Mamba2Cache", "__version__"]
+__all__ = ["commit", "decode", "snapshot_verify", "verify", "GDNCache", "Mamba2Cache", "__version__"]

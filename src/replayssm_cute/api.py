@@ -424,3 +424,38 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
     kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
            cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
     return out
+
+
+def snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
+                    dt_softplus=False, out=None, *, config=None):
+    """The conventional speculative baseline on a conventional :class:`Mamba2Cache` (window 1):
+    each row's state is read once and the state after each of its T drafts is written to
+    ``snapshots[row, t]`` ((b, T, H, P, N) fp32); the cache is not written (the accepted snapshot
+    becomes the state by copy or pointer switch). Tokens as :func:`verify`; returns ``out``."""
+    if not isinstance(cache, Mamba2Cache) or cache.window != 1:
+        _fail("cache", "a conventional Mamba2Cache (window 1)", type(cache).__name__ if not isinstance(
+            cache, Mamba2Cache) else f"window {cache.window}")
+    x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
+        cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
+    b, T = x.shape[:2]
+    device = cache.checkpoint.device
+    shape = (b, T, cache.nheads, cache.headdim, cache.dstate)
+    if (not isinstance(snapshots, torch.Tensor) or tuple(snapshots.shape) != shape or snapshots.dtype != torch.float32
+            or snapshots.device != device or not snapshots.is_contiguous()):
+        _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}",
+              f"{getattr(snapshots, 'dtype', type(snapshots).__name__)} {tuple(getattr(snapshots, 'shape', ()))}")
+    if b == 0:
+        return out
+    if device.type == "cpu":
+        from .reference_spec import mamba2_snapshot_verify_cache_
+
+        return mamba2_snapshot_verify_cache_(cache, x, dt, A, B, C, slot_ids, snapshots, D=D, z=z,
+                                             dt_bias=dt_bias, dt_softplus=dt_softplus, out=out)
+    _check_device(cache, device)
+
+    from .kernels_host import mamba2_snapshot_kernel
+
+    kernel = mamba2_snapshot_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
+                                    dt_softplus, b, config)
+    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, snapshots)
+    return out

@@ -196,3 +196,30 @@ def default_gdn_verify_config(head_v_dim: int, batch: int):
     from .kernels.gdn.decode import GDNConfig
 
     return GDNConfig(rows_per_cta=16, num_warps=4) if head_v_dim % 16 == 0 else GDNConfig(16, 1)
+
+
+def mamba2_snapshot_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
+    """The callable of the conventional speculative baseline (state snapshot per draft) on a
+    conventional Mamba-2 `cache` (memoised)."""
+    fast_key = ("mamba2_snapshot", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
+                cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, cache.pad_slot_id,
+                batch <= 16, config)
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        from .compile_cache import compile_options, get_compiled
+        from .kernels.mamba2.decode import Mamba2Config
+        from .kernels.mamba2.snapshot import Mamba2Snapshot, compile_snapshot
+
+        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, 1, 1, cache.dtype,
+                             dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, cache.pad_slot_id)
+        cfg = config
+        if cfg is None:  # at most 8 rows per warp: a warp keeps its rows in registers
+            cfg = Mamba2Config(16, 4) if batch <= 16 or cache.headdim % 32 else Mamba2Config(32, 4)
+        reason = Mamba2Snapshot.check(shape, cfg, num_drafts)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"snapshot_verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
+        kernel = _fast[fast_key] = get_compiled(
+            "mamba2_snapshot", shape.key() + cfg.key() + (num_drafts,),
+            lambda: compile_snapshot(shape, cfg, num_drafts, compile_options()))
+    return kernel
