@@ -24,9 +24,10 @@ Tensor contract (b = batch, S = slots):
 
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+from .common import slot_is_live
 
 _THREADS = 128
 
@@ -68,9 +69,7 @@ class Commit:
         row = bidx * _THREADS + tidx
         if row < mSlot.shape[0]:
             slot = mSlot[row]
-            valid = (slot >= 0) & (slot < mCursor.shape[0])
-            if cutlass.const_expr(s.pad_slot_id == 0):
-                valid = valid & (slot != 0)
+            valid = slot_is_live(slot, mCursor.shape[0], s.pad_slot_id)
             if valid:
                 h = mCursor[slot]
                 a = mAccepted[row]

@@ -24,6 +24,46 @@ def smem_fit(smem_bytes: int, min_ctas_per_sm: int):
     return None
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@cute.jit
+def slot_is_live(slot: Int32, num_slots: Int32, pad_slot_id: cutlass.Constexpr[int]):
+    """A row decodes when its slot id names a slot of the pool and is not the pad sentinel:
+    out-of-range ids act as pad rows (nothing is touched)."""
+    live = (slot >= 0) & (slot < num_slots)
+    if cutlass.const_expr(pad_slot_id == 0):
+        live = live & (slot != 0)
+    return live
+
+
+@cute.jit
+def start_tile_loads(
+    tma_atom: cute.CopyAtom,
+    m_tma: cute.Tensor,
+    s_tile: cute.Tensor,
+    mbar: cute.Pointer,
+    first_box: Int32,
+    stages: cutlass.Constexpr[int],
+    stage_bytes: cutlass.Constexpr[int],
+):
+    """Initialise one mbarrier per stage, then warp 0 issues every stage's TMA load (the CTA's
+    whole tile in flight at once); a warp waits on its own stage with ``mbarrier_wait``."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        for st in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(mbar + st, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    if tidx // 32 == 0:
+        issue_tile_loads(tma_atom, m_tma, s_tile, mbar, first_box, stages, stage_bytes)
+
+
 @cute.jit
 def softplus(x: Float32) -> Float32:
     """softplus(x) = x for x > 20 (engines' threshold), else log(1 + exp(x))."""

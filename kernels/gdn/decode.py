@@ -49,12 +49,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, warp_reduce_many
+from ..common import make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
 from .common import gdn_gates, normalize_qk
 
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,7 @@ class GDNShape:
     @property
     def k_vec(self) -> int:
         """Elements of a K row per lane: the smallest power of two that fits K in 32 lanes."""
-        return _pow2_at_least(-(-self.head_k_dim // 32))
+        return pow2_at_least(-(-self.head_k_dim // 32))
 
     def key(self):
         return (self.num_v_heads, self.head_v_dim, self.head_k_dim, self.num_k_heads, self.window,
@@ -109,7 +106,7 @@ class GDNConfig:
 
     def record_dot_values(self, window: int) -> int:
         """Values a warp reduces for its record keys (k_j . k and k_j . q each), a power of two."""
-        return _pow2_at_least(2 * self.records_per_warp(window))
+        return pow2_at_least(2 * self.records_per_warp(window))
 
     def smem_bytes(self, shape: GDNShape) -> int:
         """The state tile, the ring keys and per-position weights, mbarriers, alignment slack."""
@@ -241,9 +238,7 @@ class GDNDecode:
         lane = cute.arch.lane_idx()
 
         slot = mSlot[row]
-        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
-        if cutlass.const_expr(s.pad_slot_id == 0):
-            valid = valid & (slot != 0)
+        valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
             slot64 = Int64(slot)
@@ -259,14 +254,8 @@ class GDNDecode:
             sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, cap), stride=(1, 2)), byte_alignment=16)
             # The keys at every ring position, staged once so a flush folds without another load.
             sKeys = smem.allocate_tensor(act, cute.make_layout((cap, K), stride=(K, 1)), byte_alignment=16)
-            if tidx == 0:
-                for st in cutlass.range_constexpr(W):
-                    cute.arch.mbarrier_init(mbar + st, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
+            first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is

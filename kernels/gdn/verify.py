@@ -40,17 +40,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, warp_reduce_many
+from ..common import cdiv, make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class GDNVerify:
@@ -151,11 +145,11 @@ class GDNVerify:
         vec = s.k_vec
         KL = K // vec
         NQ = cap + T  # key columns: the ring positions, then the drafts
-        RPW = _cdiv(cap, W)
-        TPW = _cdiv(T, W)
+        RPW = cdiv(cap, W)
+        TPW = cdiv(T, W)
         CH = 16  # dot products per warp reduction
-        n_chunks = _cdiv(_cdiv(2 * T * NQ, W), CH)
-        TP2 = _pow2_at_least(2 * T)
+        n_chunks = cdiv(cdiv(2 * T * NQ, W), CH)
+        TP2 = pow2_at_least(2 * T)
         t_shift = 5 - (TP2.bit_length() - 1)
         JC = 4
         rep = HV // H
@@ -167,9 +161,7 @@ class GDNVerify:
         lane = cute.arch.lane_idx()
 
         slot = mSlot[row]
-        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
-        if cutlass.const_expr(s.pad_slot_id == 0):
-            valid = valid & (slot != 0)
+        valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
             slot64 = Int64(slot)
@@ -186,14 +178,8 @@ class GDNVerify:
             sDraft = smem.allocate_tensor(Float32, cute.make_layout((2 * T, K), stride=(K, 1)), byte_alignment=16)
             # W_{j,s} (k_j . x_s) per (x in {k, q} x draft s, column q); zero where not used.
             sDot = smem.allocate_tensor(Float32, cute.make_layout((2 * T, NQ), stride=(NQ, 1)), byte_alignment=16)
-            if tidx == 0:
-                for st in cutlass.range_constexpr(W):
-                    cute.arch.mbarrier_init(mbar + st, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
+            first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
@@ -353,7 +339,7 @@ class GDNVerify:
                 p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
                 w_fold = cute.math.exp(p_last - prefix, fastmath=False)
                 gamma = cute.math.exp(p_last, fastmath=False)
-                n_pass = _cdiv(cap, JC)
+                n_pass = cdiv(cap, JC)
                 for jc in cutlass.range_constexpr(n_pass):
                     items = min(JC, cap - jc * JC)
                     rKf = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)

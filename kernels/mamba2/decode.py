@@ -45,7 +45,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many, warp_sum
+from ..common import (make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many,
+                      warp_sum)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Mamba2Config:
 
     def record_dot_values(self, capacity: int) -> int:
         """Values a warp reduces for its ring positions (B_p . C each), a power of two."""
-        return 1 << max(0, (self.records_per_warp(capacity) - 1).bit_length())
+        return pow2_at_least(self.records_per_warp(capacity))
 
     def smem_bytes(self, shape: Mamba2Shape) -> int:
         """The state tile, B at every ring position and its weights, mbarriers, alignment slack."""
@@ -214,9 +215,7 @@ class Mamba2Decode:
         lane = tidx % 32
 
         slot = mSlot[row]
-        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
-        if cutlass.const_expr(s.pad_slot_id == 0):
-            valid = valid & (slot != 0)
+        valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
             slot64 = Int64(slot)
@@ -231,14 +230,8 @@ class Mamba2Decode:
             # Per ring position p: w_j (B_p . C) of its record, and B_p staged for the fold.
             sBC = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)
             sB = smem.allocate_tensor(act, cute.make_layout((cap, N), stride=(N, 1)), byte_alignment=16)
-            if tidx == 0:
-                for st in cutlass.range_constexpr(W):
-                    cute.arch.mbarrier_init(mbar + st, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
+            first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is

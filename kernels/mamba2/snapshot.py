@@ -31,7 +31,7 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many
+from ..common import make_row_tma, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many
 from .decode import Mamba2Config, Mamba2Shape
 
 
@@ -101,9 +101,7 @@ class Mamba2Snapshot:
         lane = cute.arch.lane_idx()
 
         slot = mSlot[row]
-        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
-        if cutlass.const_expr(s.pad_slot_id == 0):
-            valid = valid & (slot != 0)
+        valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
         if valid:
             slot64 = Int64(slot)
             group = head // (H // G)
@@ -114,14 +112,8 @@ class Mamba2Snapshot:
                 Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128)
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
             sBC = smem.allocate_tensor(Float32, cute.make_layout((2 * T, N), stride=(N, 1)), byte_alignment=16)
-            if tidx == 0:
-                for st in cutlass.range_constexpr(W):
-                    cute.arch.mbarrier_init(mbar + st, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
+            first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
 
             # The drafts' B (rows 0..T-1) and C (rows T..2T-1) in fp32, staged by the warps.
             for tt in cutlass.range_constexpr(-(-2 * T // W)):

@@ -43,16 +43,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, make_row_tma, smem_fit, softplus, warp_reduce_many
+from ..common import cdiv, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many
 from .decode import Mamba2Config, Mamba2Shape
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Mamba2Verify:
@@ -151,11 +145,11 @@ class Mamba2Verify:
         RW = R // W
         vec = N // 32
         NQ = cap + T  # dot columns: the ring positions, then the drafts
-        RPW = _cdiv(cap, W)  # ring positions whose B a warp stages
-        TPW = _cdiv(T, W)  # drafts whose B and C a warp stages
+        RPW = cdiv(cap, W)  # ring positions whose B a warp stages
+        TPW = cdiv(T, W)  # drafts whose B and C a warp stages
         CH = 16  # dot products per warp reduction
-        n_chunks = _cdiv(_cdiv(T * NQ, W), CH)
-        TP = _pow2_at_least(T)
+        n_chunks = cdiv(cdiv(T * NQ, W), CH)
+        TP = pow2_at_least(T)
         t_shift = 5 - (TP.bit_length() - 1)
         JC = 4  # records folded per pass
         heads_per_group = H // G
@@ -167,9 +161,7 @@ class Mamba2Verify:
         lane = cute.arch.lane_idx()
 
         slot = mSlot[row]
-        valid = (slot >= 0) & (slot < mCheckpoint.shape[0])
-        if cutlass.const_expr(s.pad_slot_id == 0):
-            valid = valid & (slot != 0)
+        valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
             slot64 = Int64(slot)
@@ -185,14 +177,8 @@ class Mamba2Verify:
             sC = smem.allocate_tensor(Float32, cute.make_layout((T, N), stride=(N, 1)), byte_alignment=16)
             # w_{j,t} (B_j . C_t) per (draft t, column q); zero where q holds no record before t.
             sDot = smem.allocate_tensor(Float32, cute.make_layout((T, NQ), stride=(NQ, 1)), byte_alignment=16)
-            if tidx == 0:
-                for st in cutlass.range_constexpr(W):
-                    cute.arch.mbarrier_init(mbar + st, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if warp == 0:
-                first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-                issue_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
+            first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
@@ -326,7 +312,7 @@ class Mamba2Verify:
                 p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
                 w_fold = dt_j * cute.math.exp(A * (p_last - prefix), fastmath=False)
                 gamma = cute.math.exp(A * p_last, fastmath=False)
-                n_pass = _cdiv(cap, JC)
+                n_pass = cdiv(cap, JC)
                 for jc in cutlass.range_constexpr(n_pass):
                     items = min(JC, cap - jc * JC)
                     rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
