@@ -6,22 +6,17 @@ import torch
 from replayssm_cute import reference as R
 from replayssm_cute.cache import Mamba2Cache
 
+import _cache_checks as checks
+from _cache_checks import DecodeDriver, assert_rel
 from _inputs import F64
 from _inputs import gen as _gen
 from _inputs import randn as _randn
 from _inputs import uniform as _uniform
 H, P, N = 6, 16, 32
+_RINGS = ("ring_x", "ring_B", "ring_dt")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def assert_rel(actual, expected, rtol, what=""):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.abs().max().item()
-    err = (actual.to(F64) - expected.to(F64)).abs().max().item()
-    assert scale > 0, f"{what}: expected is all zeros, the check would be vacuous"
-    assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
 
 
 def assert_fp32_rounding_of(ckpt, exact, slack_ulps=1.0, extra_rtol=0.0, what=""):
@@ -33,12 +28,7 @@ def assert_fp32_rounding_of(ckpt, exact, slack_ulps=1.0, extra_rtol=0.0, what=""
 
 
 def _snapshot(cache):
-    names = ["checkpoint", "ring_x", "ring_B", "ring_dt", "cursor", "origin", "arrivals"]
-    return {n: getattr(cache, n).clone() for n in names if getattr(cache, n) is not None}
-
-
-def _slot_equal(cache, snap, s):
-    return all(torch.equal(getattr(cache, n)[s], t[s]) for n, t in snap.items())
+    return checks.snapshot(cache, _RINGS)
 
 
 # ----------------------------------------------------------------------------- construction
@@ -50,20 +40,12 @@ def test_layout_and_defaults():
     assert (c.window, c.max_draft, c.capacity, c.pad_slot_id) == (8, 3, 11, -1)
     assert c.dtype == torch.float16 and c.device == torch.device("cpu")
     assert not c.is_conventional and c.read_copy is None
-    expect = {
+    checks.check_layout(c, {
         "checkpoint": ((5, H, P, N), torch.float32),
         "ring_x": ((5, 11, H, P), torch.float16),
         "ring_B": ((5, 11, 2, N), torch.float16),
         "ring_dt": ((5, 11, H), torch.float32),
-        "cursor": ((5,), torch.int32),
-        "origin": ((5,), torch.int32),
-        "arrivals": ((5,), torch.int32),
-    }
-    for name, (shape, dtype) in expect.items():
-        t = getattr(c, name)
-        assert tuple(t.shape) == shape and t.dtype == dtype, name
-        assert t.is_contiguous() and t.stride()[-1] == 1, name
-        assert not t.any(), name
+    })
     assert c.checkpoint.stride() == (H * P * N, P * N, N, 1)
 
 
@@ -98,25 +80,13 @@ BASE = dict(num_slots=4, nheads=H, headdim=P, dstate=N, ngroups=2)
         (dict(dstate=0), ValueError, "dstate"),
         (dict(ngroups=0), ValueError, "ngroups"),
         (dict(ngroups=4), ValueError, "multiple of ngroups"),
-        (dict(window=0), ValueError, "window"),
-        (dict(window="16"), TypeError, "window"),
-        (dict(max_draft=-1), ValueError, "max_draft"),
-        (dict(max_draft=17), ValueError, "max_draft"),
-        (dict(window=1, max_draft=2), ValueError, "max_draft"),
-        (dict(dtype=torch.float64), ValueError, "dtype"),
-        (dict(dtype=torch.int8), ValueError, "dtype"),
-        (dict(dtype="bfloat16"), TypeError, "dtype"),
-        (dict(pad_slot_id=1), ValueError, "pad_slot_id"),
-        (dict(pad_slot_id=-2), ValueError, "pad_slot_id"),
-        (dict(pad_slot_id=0, num_slots=1), ValueError, "num_slots"),
-        (dict(device="not-a-device"), TypeError, "device"),
+        *checks.WINDOW_CASES,
+        *checks.DTYPE_PAD_DEVICE_CASES,
     ],
 )
 def test_constructor_validation(changes, exc, match):
-    kw = dict(BASE, **changes)
-    pos = [kw.pop(k) for k in ["num_slots", "nheads", "headdim", "dstate", "ngroups"]]
-    with pytest.raises(exc, match=match):
-        Mamba2Cache(*pos, **kw)
+    positional = ["num_slots", "nheads", "headdim", "dstate", "ngroups"]
+    checks.check_constructor_rejects(Mamba2Cache, BASE, positional, changes, exc, match)
 
 
 def test_constructor_accepts_edge_values():
@@ -134,16 +104,13 @@ def test_memory_per_slot(shape, window, max_draft, dtype):
     c = Mamba2Cache(3, Hh, Pp, Nn, G, window=window, max_draft=max_draft, dtype=dtype)
     m = c.memory_per_slot()
     cap = window + max_draft
-    act = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}[dtype]
+    act = checks.ACT_BYTES[dtype]
     ring = window > 1
     assert m["checkpoint"] == 4 * Hh * Pp * Nn
     assert m["ring_x"] == (cap * Hh * Pp * act if ring else 0)
     assert m["ring_B"] == (cap * G * Nn * act if ring else 0)
     assert m["ring_dt"] == (cap * Hh * 4 if ring else 0)
-    assert m["cursor"] == m["origin"] == m["arrivals"] == 4
-    assert m["total"] == sum(v for k, v in m.items() if k != "total")
-    allocated = sum(t.numel() * t.element_size() for t in _snapshot(c).values())
-    assert allocated == 3 * m["total"]
+    checks.check_memory_totals(c, m, _RINGS)
 
 
 def test_memory_nemotron_super_numbers():
@@ -201,157 +168,87 @@ def test_from_state_validation(make, exc, match):
 
 def test_load_prefill_sets_checkpoint_and_clears_cursor():
     g = _gen(2)
-    c = Mamba2Cache(5, H, P, N, 2, window=4, max_draft=2)
-    c.cursor.copy_(torch.tensor([1, 2, 3, 1, 2], dtype=torch.int32))
-    c.origin.copy_(torch.tensor([5, 4, 3, 2, 1], dtype=torch.int32))
-    snap = _snapshot(c)
-    state = torch.randn(2, H, P, N, generator=g, dtype=F64)
-    c.load_prefill(torch.tensor([3, 1]), state)
-    assert torch.equal(c.checkpoint[3], state[0].float())
-    assert torch.equal(c.checkpoint[1], state[1].float())
-    assert c.cursor.tolist() == [1, 0, 3, 0, 2]
-    assert c.origin.tolist() == [5, 0, 3, 0, 1]
-    for s in (0, 2, 4):
-        assert _slot_equal(c, snap, s)
-    bf = torch.randn(1, H, P, N, generator=g).bfloat16()
-    c.load_prefill([4], bf)
-    assert torch.equal(c.checkpoint[4], bf[0].float())
-    assert c.checkpoint.dtype == torch.float32
+    checks.check_load_prefill(Mamba2Cache(5, H, P, N, 2, window=4, max_draft=2), g, _RINGS)
 
 
-@pytest.mark.parametrize(
-    "ids,state,exc,match",
-    [
-        ([0], torch.zeros(2, H, P, N), ValueError, "state must have shape"),
-        ([0], torch.zeros(1, H, P, N + 1), ValueError, "state must have shape"),
-        ([5], torch.zeros(1, H, P, N), ValueError, "slot_ids"),
-        ([-1], torch.zeros(1, H, P, N), ValueError, "slot_ids"),
-        ([1, 1], torch.zeros(2, H, P, N), ValueError, "more than once"),
-        (torch.tensor([1.0]), torch.zeros(1, H, P, N), TypeError, "slot_ids"),
-        (torch.tensor([[1]]), torch.zeros(1, H, P, N), ValueError, "slot_ids"),
-        ([1], torch.zeros(1, H, P, N, dtype=torch.int32), TypeError, "state"),
-        ([1], "state", TypeError, "state"),
-    ],
-)
+@pytest.mark.parametrize("ids,state,exc,match", checks.load_prefill_cases((H, P, N), (H, P, N + 1)))
 def test_load_prefill_validation(ids, state, exc, match):
-    c = Mamba2Cache(5, H, P, N, 2, window=4)
-    with pytest.raises(exc, match=match):
-        c.load_prefill(ids, state)
+    checks.check_load_prefill_rejects(Mamba2Cache(5, H, P, N, 2, window=4), _RINGS, ids, state, exc, match)
 
 
 def test_load_prefill_rejects_reserved_slot_zero():
-    c = Mamba2Cache(3, H, P, N, 2, window=4, pad_slot_id=0)
-    with pytest.raises(ValueError, match="reserved"):
-        c.load_prefill([0], torch.zeros(1, H, P, N))
-    c.load_prefill([1, 2], torch.ones(2, H, P, N))
-    assert not c.checkpoint[0].any()
+    checks.check_reserved_slot_zero(Mamba2Cache(3, H, P, N, 2, window=4, pad_slot_id=0))
 
 
 # ----------------------------------------------------------------------------- cache decode
 
 
+class _Mamba2Driver(DecodeDriver):
+    """``DecodeDriver`` for ``mamba2_decode_cache_`` against ``mamba2_conventional_step``."""
+
+    rings = _RINGS
+    out_name = "y"
+
+    def __init__(self, cache, g, *, dt_mode, act_dtype, ckpt_rtol, use_dz):
+        super().__init__(cache, g)
+        self.dt_mode, self.act_dtype, self.ckpt_rtol, self.use_dz = dt_mode, act_dtype, ckpt_rtol, use_dz
+        self.A = -_uniform(g, 1.0, 2.0, H)
+        self.dt_bias = _uniform(g, -4.0, -3.0, H)
+        self.D = _randn(g, H) if use_dz else None
+
+    def batch(self, b):
+        g, act, G = self.g, self.act_dtype, self.cache.ngroups
+        x = _randn(g, b, H, P).to(act).to(F64)
+        B = _randn(g, b, G, N).to(act).to(F64)
+        C = _randn(g, b, G, N).to(act).to(F64)
+        z = _randn(g, b, H, P).to(act).to(F64) if self.use_dz else None
+        raw = _randn(g, b, H)
+        if self.dt_mode == "exact":
+            dt = R.softplus(raw + self.dt_bias).float().to(F64)
+            kw = dict(dt_bias=None, dt_softplus=False)
+        else:
+            dt = raw.float()
+            kw = dict(dt_bias=self.dt_bias.float(), dt_softplus=True)
+        return dict(x=x, dt=dt, B=B, C=C, z=z, kw=kw), _randn(g, b, H, P)
+
+    def decode(self, t, ids, out):
+        return R.mamba2_decode_cache_(self.cache, t["x"], t["dt"], self.A, t["B"], t["C"], ids, D=self.D, z=t["z"],
+                                      out=out, **t["kw"])
+
+    def step(self, t, r, S_prev):
+        row, z = slice(r, r + 1), t["z"]
+        return R.mamba2_conventional_step(S_prev, t["x"][row], t["dt"][row], self.A, t["B"][row], t["C"][row],
+                                          self.D, None if z is None else z[row], **t["kw"])
+
+    def check_flush(self, s, S_new, what):
+        assert_fp32_rounding_of(self.cache.checkpoint[s : s + 1], S_new, extra_rtol=self.ckpt_rtol, what=what)
+
+    def check_record(self, t, r, s, pos, S_prev, S_new, what):
+        cache, kw = self.cache, t["kw"]
+        assert torch.equal(cache.ring_x[s, pos], t["x"][r].to(cache.dtype))
+        assert torch.equal(cache.ring_B[s, pos], t["B"][r].to(cache.dtype))
+        assert torch.equal(cache.ring_dt[s, pos], R.mamba2_dt(t["dt"][r], kw["dt_bias"], kw["dt_softplus"]).float())
+        return S_new  # the records are exact
+
+    def materialize(self, live):
+        return self.cache.materialize(live, self.A)
+
+
 def _drive(cache, *, seed, steps_after_join, offsets, active_slots, dt_mode, act_dtype, rtol, ckpt_rtol,
            use_dz=True, origins=None):
-    """Run decode steps on `cache` and check every step against the conventional recurrence.
+    """Run decode steps on `cache` and check every step against the conventional recurrence
+    (``DecodeDriver``: slots join at different steps, batches hold pad and out-of-range rows).
 
-    Slot active_slots[i] joins at step offsets[i] (so rows sit at different ring positions).
-    Every batch also holds pad rows and out-of-range slot ids, in shuffled order.
     Activations hold values representable in act_dtype but are passed as float64 (so the
     stored records are exact and the float64 output is not rounded).
     dt_mode "exact": dt is processed (softplus of U(-4,-3)-shifted values) beforehand and
     rounded to fp32, so records are exact; "softplus": raw dt, dt_bias, dt_softplus=True.
     Returns the number of flushes per slot; checks it is (steps the slot ran) // window.
     """
-    g = _gen(seed)
-    L, G, cap = cache.window, cache.ngroups, cache.capacity
-    A = -_uniform(g, 1.0, 2.0, H)
-    dt_bias = _uniform(g, -4.0, -3.0, H)
-    D = _randn(g, H) if use_dz else None
-
-    S0 = _randn(g, len(active_slots), H, P, N)
-    cache.load_prefill(active_slots, S0)
-    if origins is not None:
-        for s, o in zip(active_slots, origins):
-            cache.origin[s] = o
-    conv = {s: S0[i : i + 1].clone() for i, s in enumerate(active_slots)}
-    flushes = {s: 0 for s in active_slots}
-    never_used = [s for s in range(cache.num_slots) if s not in active_slots]
-    initial = _snapshot(cache)
-    skip_ids = [cache.pad_slot_id, cache.pad_slot_id, cache.num_slots, cache.num_slots + 3, -5]
-    if cache.pad_slot_id == 0:
-        skip_ids.append(-1)
-
-    total_steps = max(offsets) + steps_after_join
-    for step in range(total_steps):
-        live = [s for s, off in zip(active_slots, offsets) if step >= off]
-        ids = live + skip_ids[: 1 + step % len(skip_ids)]
-        perm = torch.randperm(len(ids), generator=g).tolist()
-        ids = [ids[i] for i in perm]
-        b = len(ids)
-
-        x = _randn(g, b, H, P).to(act_dtype).to(F64)
-        B = _randn(g, b, G, N).to(act_dtype).to(F64)
-        C = _randn(g, b, G, N).to(act_dtype).to(F64)
-        z = _randn(g, b, H, P).to(act_dtype).to(F64) if use_dz else None
-        raw = _randn(g, b, H)
-        if dt_mode == "exact":
-            dt = R.softplus(raw + dt_bias).float().to(F64)
-            kw = dict(dt_bias=None, dt_softplus=False)
-        else:
-            dt = raw.float()
-            kw = dict(dt_bias=dt_bias.float(), dt_softplus=True)
-        out = _randn(g, b, H, P)
-        out_before = out.clone()
-        before = _snapshot(cache)
-
-        ret = R.mamba2_decode_cache_(cache, x, dt, A, B, C, torch.tensor(ids), D=D, z=z, out=out, **kw)
-        assert ret is out
-
-        assert not cache.arrivals.any()
-        for r, s in enumerate(ids):
-            if s not in live:
-                assert torch.equal(out[r], out_before[r]), f"skipped row {r} (slot {s}) was written"
-                continue
-            y_conv, S_new = R.mamba2_conventional_step(
-                conv[s], x[r : r + 1], dt[r : r + 1], A, B[r : r + 1], C[r : r + 1], D,
-                None if z is None else z[r : r + 1], **kw,
-            )
-            assert_rel(out[r : r + 1], y_conv, rtol, f"y step {step} slot {s}")
-            h = int(before["cursor"][s])
-            o = int(before["origin"][s])
-            assert int(cache.origin[s]) == o, "origin moved"
-            if h + 1 == L:
-                flushes[s] += 1
-                assert int(cache.cursor[s]) == 0
-                assert_fp32_rounding_of(cache.checkpoint[s : s + 1], S_new, extra_rtol=ckpt_rtol,
-                                        what=f"flush step {step} slot {s}")
-                for n in ("ring_x", "ring_B", "ring_dt"):
-                    if n in before:
-                        assert torch.equal(getattr(cache, n)[s], before[n][s]), f"flush wrote {n}"
-                conv[s] = cache.checkpoint[s : s + 1].to(F64)  # continue from the stored checkpoint
-            else:
-                assert int(cache.cursor[s]) == h + 1
-                assert torch.equal(cache.checkpoint[s], before["checkpoint"][s]), "non-flush wrote checkpoint"
-                pos = (o + h) % cap
-                assert torch.equal(cache.ring_x[s, pos], x[r].to(cache.dtype))
-                assert torch.equal(cache.ring_B[s, pos], B[r].to(cache.dtype))
-                assert torch.equal(cache.ring_dt[s, pos], R.mamba2_dt(dt[r], kw["dt_bias"], kw["dt_softplus"]).float())
-                others = [i for i in range(cap) if i != pos]
-                for n in ("ring_x", "ring_B", "ring_dt"):
-                    assert torch.equal(getattr(cache, n)[s, others], before[n][s, others])
-                conv[s] = S_new
-        for s in range(cache.num_slots):
-            if s not in live:
-                assert _slot_equal(cache, before, s), f"slot {s} not in the batch was touched"
-        if live:
-            mat = cache.materialize(live, A)
-            assert mat.dtype == F64
-            assert_rel(mat, torch.cat([conv[s] for s in live]), rtol, f"materialize step {step}")
-    for s in never_used:
-        assert _slot_equal(cache, initial, s), f"unused slot {s} changed"
-    for s, off in zip(active_slots, offsets):
-        assert flushes[s] == (total_steps - off) // L, f"slot {s} flushed {flushes[s]} times"
-    return flushes
+    driver = _Mamba2Driver(cache, _gen(seed), dt_mode=dt_mode, act_dtype=act_dtype, ckpt_rtol=ckpt_rtol,
+                           use_dz=use_dz)
+    return driver.run(steps_after_join=steps_after_join, offsets=offsets, active_slots=active_slots,
+                      origins=origins, rtol=rtol, mat_rtol=rtol)
 
 
 @pytest.mark.parametrize(
@@ -469,11 +366,4 @@ def test_materialize_validation_and_fresh_slots():
     g = _gen(14)
     cache = Mamba2Cache(3, H, P, N, 2, window=4, pad_slot_id=0)
     A = -_uniform(g, 1.0, 2.0, H)
-    S = _randn(g, 2, H, P, N)
-    cache.load_prefill([2, 1], S)
-    assert torch.equal(cache.materialize(torch.tensor([1, 2]), A), S.flip(0).float().to(F64))
-    assert torch.equal(cache.materialize([2, 2], A), S[[0, 0]])
-    with pytest.raises(ValueError, match="slot_ids"):
-        cache.materialize([3], A)
-    with pytest.raises(ValueError, match="reserved"):
-        cache.materialize([0], A)
+    checks.check_materialize_fresh_slots(cache, _randn(g, 2, H, P, N), A)

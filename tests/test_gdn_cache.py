@@ -6,6 +6,8 @@ import torch
 from replayssm_cute import reference as R
 from replayssm_cute.cache import GDNCache, Mamba2Cache
 
+import _cache_checks as checks
+from _cache_checks import DecodeDriver, assert_rel
 from _inputs import F64
 from _inputs import gen as _gen
 from _inputs import randn as _randn
@@ -17,14 +19,6 @@ _RINGS = ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def assert_rel(actual, expected, rtol, what=""):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.abs().max().item()
-    err = (actual.to(F64) - expected.to(F64)).abs().max().item()
-    assert scale > 0, f"{what}: expected is all zeros, the check would be vacuous"
-    assert err <= rtol * scale, f"{what}: max abs err {err:.3e} > {rtol:.0e} * {scale:.3e}"
 
 
 def assert_rounding_of(stored, exact, unit, tiny, what=""):
@@ -40,12 +34,7 @@ def assert_fp32_rounding_of(ckpt, exact, what=""):
 
 
 def _snapshot(cache):
-    names = ("checkpoint",) + _RINGS + ("cursor", "origin", "arrivals")
-    return {n: getattr(cache, n).clone() for n in names if getattr(cache, n) is not None}
-
-
-def _slot_equal(cache, snap, s):
-    return all(torch.equal(getattr(cache, n)[s], t[s]) for n, t in snap.items())
+    return checks.snapshot(cache, _RINGS)
 
 
 def _layer(g, hv=HV):
@@ -77,20 +66,13 @@ def test_layout_and_defaults(keep):
         "ring_u": ((5, 11, HV, V), torch.float16),
         "ring_k": ((5, 11, H, K), torch.float16),
         "ring_g": ((5, 11, HV), torch.float32),
-        "cursor": ((5,), torch.int32),
-        "origin": ((5,), torch.int32),
-        "arrivals": ((5,), torch.int32),
     }
     if keep:
         expect["ring_v"] = ((5, 11, HV, V), torch.float16)
         expect["ring_beta"] = ((5, 11, HV), torch.float32)
     else:
         assert c.ring_v is None and c.ring_beta is None
-    for name, (shape, dtype) in expect.items():
-        t = getattr(c, name)
-        assert tuple(t.shape) == shape and t.dtype == dtype, name
-        assert t.is_contiguous() and t.stride()[-1] == 1, name
-        assert not t.any(), name
+    checks.check_layout(c, expect)
     assert c.checkpoint.stride() == (HV * V * K, V * K, K, 1)
 
 
@@ -137,27 +119,15 @@ BASE = dict(num_slots=4, num_v_heads=HV, head_v_dim=V, head_k_dim=K, num_k_heads
         (dict(head_k_dim="16"), TypeError, "head_k_dim"),
         (dict(num_k_heads=0), ValueError, "num_k_heads"),
         (dict(num_k_heads=4), ValueError, "multiple of num_k_heads"),
-        (dict(window=0), ValueError, "window"),
-        (dict(window="16"), TypeError, "window"),
-        (dict(max_draft=-1), ValueError, "max_draft"),
-        (dict(max_draft=17), ValueError, "max_draft"),
-        (dict(window=1, max_draft=2), ValueError, "max_draft"),
+        *checks.WINDOW_CASES,
         (dict(window=1, keep_v_beta=True), ValueError, "keep_v_beta"),
         (dict(keep_v_beta=1), TypeError, "keep_v_beta"),
-        (dict(dtype=torch.float64), ValueError, "dtype"),
-        (dict(dtype=torch.int8), ValueError, "dtype"),
-        (dict(dtype="bfloat16"), TypeError, "dtype"),
-        (dict(pad_slot_id=1), ValueError, "pad_slot_id"),
-        (dict(pad_slot_id=-2), ValueError, "pad_slot_id"),
-        (dict(pad_slot_id=0, num_slots=1), ValueError, "num_slots"),
-        (dict(device="not-a-device"), TypeError, "device"),
+        *checks.DTYPE_PAD_DEVICE_CASES,
     ],
 )
 def test_constructor_validation(changes, exc, match):
-    kw = dict(BASE, **changes)
-    pos = [kw.pop(k) for k in ["num_slots", "num_v_heads", "head_v_dim", "head_k_dim", "num_k_heads"]]
-    with pytest.raises(exc, match=match):
-        GDNCache(*pos, **kw)
+    positional = ["num_slots", "num_v_heads", "head_v_dim", "head_k_dim", "num_k_heads"]
+    checks.check_constructor_rejects(GDNCache, BASE, positional, changes, exc, match)
 
 
 def test_constructor_accepts_edge_values():
@@ -175,7 +145,7 @@ def test_memory_per_slot(shape, window, max_draft, dtype, keep):
     c = GDNCache(3, nh, vd, kd, nkh, window=window, max_draft=max_draft, dtype=dtype, keep_v_beta=keep)
     m = c.memory_per_slot()
     cap = window + max_draft
-    act = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}[dtype]
+    act = checks.ACT_BYTES[dtype]
     ring = window > 1
     assert list(m) == ["checkpoint", *_RINGS, "cursor", "origin", "arrivals", "total"]
     assert m["checkpoint"] == 4 * nh * vd * kd
@@ -184,10 +154,7 @@ def test_memory_per_slot(shape, window, max_draft, dtype, keep):
     assert m["ring_g"] == (cap * nh * 4 if ring else 0)
     assert m["ring_v"] == (cap * nh * vd * act if keep else 0)
     assert m["ring_beta"] == (cap * nh * 4 if keep else 0)
-    assert m["cursor"] == m["origin"] == m["arrivals"] == 4
-    assert m["total"] == sum(v for k, v in m.items() if k != "total")
-    allocated = sum(t.numel() * t.element_size() for t in _snapshot(c).values())
-    assert allocated == 3 * m["total"]
+    checks.check_memory_totals(c, m, _RINGS)
 
 
 def test_memory_qwen35_4b_numbers():
@@ -253,168 +220,100 @@ def test_from_state_validation(make, exc, match):
 def test_load_prefill_sets_checkpoint_and_clears_cursor():
     g = _gen(2)
     c = GDNCache(5, HV, V, K, H, window=4, max_draft=2, keep_v_beta=True)
-    c.cursor.copy_(torch.tensor([1, 2, 3, 1, 2], dtype=torch.int32))
-    c.origin.copy_(torch.tensor([5, 4, 3, 2, 1], dtype=torch.int32))
-    c.ring_u.normal_(generator=g)
+    c.ring_u.normal_(generator=g)  # rings hold data, which load_prefill must not disturb
     c.ring_v.normal_(generator=g)
-    snap = _snapshot(c)
-    state = torch.randn(2, HV, V, K, generator=g, dtype=F64)
-    c.load_prefill(torch.tensor([3, 1]), state)
-    assert torch.equal(c.checkpoint[3], state[0].float())
-    assert torch.equal(c.checkpoint[1], state[1].float())
-    assert c.cursor.tolist() == [1, 0, 3, 0, 2]
-    assert c.origin.tolist() == [5, 0, 3, 0, 1]
-    for s in (0, 2, 4):
-        assert _slot_equal(c, snap, s)
+    state = checks.check_load_prefill(c, g, _RINGS)
     assert torch.equal(c.materialize([1]), state[1:2].float().to(F64))
-    bf = torch.randn(1, HV, V, K, generator=g).bfloat16()
-    c.load_prefill([4], bf)
-    assert torch.equal(c.checkpoint[4], bf[0].float())
-    assert c.checkpoint.dtype == torch.float32
 
 
-@pytest.mark.parametrize(
-    "ids,state,exc,match",
-    [
-        ([0], torch.zeros(2, HV, V, K), ValueError, "state must have shape"),
-        ([0], torch.zeros(1, HV, K, V + 16), ValueError, "state must have shape"),
-        ([5], torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
-        ([-1], torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
-        ([1, 1], torch.zeros(2, HV, V, K), ValueError, "more than once"),
-        (torch.tensor([1.0]), torch.zeros(1, HV, V, K), TypeError, "slot_ids"),
-        (torch.tensor([[1]]), torch.zeros(1, HV, V, K), ValueError, "slot_ids"),
-        ([1], torch.zeros(1, HV, V, K, dtype=torch.int32), TypeError, "state"),
-        ([1], "state", TypeError, "state"),
-    ],
-)
+@pytest.mark.parametrize("ids,state,exc,match", checks.load_prefill_cases((HV, V, K), (HV, K, V + 16)))
 def test_load_prefill_validation(ids, state, exc, match):
-    c = GDNCache(5, HV, V, K, H, window=4)
-    snap = _snapshot(c)
-    with pytest.raises(exc, match=match):
-        c.load_prefill(ids, state)
-    assert all(torch.equal(getattr(c, n), t) for n, t in snap.items())
+    checks.check_load_prefill_rejects(GDNCache(5, HV, V, K, H, window=4), _RINGS, ids, state, exc, match)
 
 
 def test_load_prefill_rejects_reserved_slot_zero():
-    c = GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0)
-    with pytest.raises(ValueError, match="reserved"):
-        c.load_prefill([0], torch.zeros(1, HV, V, K))
-    c.load_prefill([1, 2], torch.ones(2, HV, V, K))
-    assert not c.checkpoint[0].any()
+    checks.check_reserved_slot_zero(GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0))
 
 
 # ----------------------------------------------------------------------------- cache decode
 
 
-def _drive(cache, *, seed, steps_after_join, offsets, active_slots, act_dtype, origins=None, scale=None):
-    """Run decode steps on `cache` and check every step against the plain recurrence.
+# unit roundoff and subnormal spacing of each ring dtype of k
+_UNIT_TINY = {torch.float32: (2.0**-24, 1e-37), torch.bfloat16: (2.0**-8, 1e-37), torch.float16: (2.0**-11, 2.0**-24)}
 
-    Slot active_slots[i] joins at step offsets[i] (so rows sit at different ring positions).
-    Every batch also holds pad rows and out-of-range slot ids, in shuffled order.
-    Activations hold values representable in act_dtype but are passed as float64 (so `out`
-    is float64 and nothing but the stored records is rounded).
 
-    The recurrence each step is checked against starts from the state the cache holds:
-    the stored checkpoint after a flush, and after a non-flush step the fold of the record
-    as stored (u rounded to fp16, k to the ring dtype, g to fp32), each stored value first
-    checked to be the rounding of the exact one. Returns the flushes per slot; checks it is
-    (steps the slot ran) // window.
+class _GDNDriver(DecodeDriver):
+    """``DecodeDriver`` for ``gdn_decode_cache_`` against ``gdn_conventional_step``.
+
+    The recurrence each step is checked against starts from the state the cache holds: the
+    stored checkpoint after a flush, and after a non-flush step the fold of the record as
+    stored (u rounded to fp16, k to the ring dtype, g to fp32), each stored value first
+    checked to be the rounding of the exact one.
     """
-    g = _gen(seed)
-    L, cap = cache.window, cache.capacity
-    nh, nkh = cache.num_v_heads, cache.num_k_heads
-    A_log, dt_bias = _layer(g, nh)
-    # unit roundoff and subnormal spacing of the ring dtype of k
-    unit_k, tiny_k = {torch.float32: (2.0**-24, 1e-37), torch.bfloat16: (2.0**-8, 1e-37),
-                      torch.float16: (2.0**-11, 2.0**-24)}[cache.dtype]
 
-    S0 = _randn(g, len(active_slots), nh, V, K)
-    cache.load_prefill(active_slots, S0)
-    if origins is not None:
-        for s, o in zip(active_slots, origins):
-            cache.origin[s] = o
-    conv = {s: S0[i : i + 1].float().to(F64) for i, s in enumerate(active_slots)}
-    flushes = {s: 0 for s in active_slots}
-    never_used = [s for s in range(cache.num_slots) if s not in active_slots]
-    initial = _snapshot(cache)
-    skip_ids = [cache.pad_slot_id, cache.pad_slot_id, cache.num_slots, cache.num_slots + 3, -5]
-    if cache.pad_slot_id == 0:
-        skip_ids.append(-1)
+    rings = _RINGS
+    out_name = "o"
 
-    total_steps = max(offsets) + steps_after_join
-    for step in range(total_steps):
-        live = [s for s, off in zip(active_slots, offsets) if step >= off]
-        ids = live + skip_ids[: 1 + step % len(skip_ids)]
-        perm = torch.randperm(len(ids), generator=g).tolist()
-        ids = [ids[i] for i in perm]
-        b = len(ids)
+    def __init__(self, cache, g, *, act_dtype, scale):
+        super().__init__(cache, g)
+        self.act_dtype, self.scale = act_dtype, scale
+        self.A_log, self.dt_bias = _layer(g, cache.num_v_heads)
 
-        q = _randn(g, b, nkh, K).to(act_dtype).to(F64)
-        k = _randn(g, b, nkh, K).to(act_dtype).to(F64)
-        v = _randn(g, b, nh, V).to(act_dtype).to(F64)
-        a = _randn(g, b, nh).to(act_dtype).to(F64)
-        bg = _randn(g, b, nh).to(act_dtype).to(F64)
-        out = _randn(g, b, nh, V)
-        out_before = out.clone()
-        before = _snapshot(cache)
+    def batch(self, b):
+        g, act = self.g, self.act_dtype
+        nh, nkh = self.cache.num_v_heads, self.cache.num_k_heads
+        q = _randn(g, b, nkh, K).to(act).to(F64)
+        k = _randn(g, b, nkh, K).to(act).to(F64)
+        v = _randn(g, b, nh, V).to(act).to(F64)
+        a = _randn(g, b, nh).to(act).to(F64)
+        bg = _randn(g, b, nh).to(act).to(F64)
+        return (q, k, v, a, bg), _randn(g, b, nh, V)
 
-        ret = R.gdn_decode_cache_(cache, q, k, v, a, bg, A_log, dt_bias, torch.tensor(ids), scale=scale, out=out)
-        assert ret is out
+    def decode(self, t, ids, out):
+        q, k, v, a, bg = t
+        return R.gdn_decode_cache_(self.cache, q, k, v, a, bg, self.A_log, self.dt_bias, ids, scale=self.scale,
+                                   out=out)
 
-        assert not cache.arrivals.any()
-        for r, s in enumerate(ids):
-            if s not in live:
-                assert torch.equal(out[r], out_before[r]), f"skipped row {r} (slot {s}) was written"
-                continue
-            row = slice(r, r + 1)
-            S_prev = conv[s]
-            o_conv, S_new = R.gdn_conventional_step(S_prev, q[row], k[row], v[row], a[row], bg[row],
-                                                    A_log, dt_bias, scale)
-            assert_rel(out[row], o_conv, 1e-10, f"o step {step} slot {s}")
-            h = int(before["cursor"][s])
-            o = int(before["origin"][s])
-            assert int(cache.origin[s]) == o, "origin moved"
-            if h + 1 == L:
-                flushes[s] += 1
-                assert int(cache.cursor[s]) == 0
-                assert_fp32_rounding_of(cache.checkpoint[s : s + 1], S_new, f"flush step {step} slot {s}")
-                for n in _RINGS:
-                    if n in before:
-                        assert torch.equal(getattr(cache, n)[s], before[n][s]), f"flush wrote {n}"
-                conv[s] = cache.checkpoint[s : s + 1].to(F64)  # continue from the stored checkpoint
-            else:
-                assert int(cache.cursor[s]) == h + 1
-                assert torch.equal(cache.checkpoint[s], before["checkpoint"][s]), "non-flush wrote checkpoint"
-                pos = (o + h) % cap
-                # the exact record, from the recurrence's state before the token
-                _, kn = R.gdn_normalize(q[row], k[row], scale)
-                gg, beta = R.gdn_gates(a[row], bg[row], A_log, dt_bias)
-                Sk = (S_prev * kn.repeat_interleave(nh // nkh, dim=1)[:, :, None, :]).sum(-1)
-                u = (beta[..., None] * (v[row] - torch.exp(gg)[..., None] * Sk))[0]
-                assert_rounding_of(cache.ring_u[s, pos], u, 2.0**-11, 2.0**-24, f"u step {step} slot {s}")
-                assert_rounding_of(cache.ring_k[s, pos], kn[0], unit_k, tiny_k, f"k step {step} slot {s}")
-                assert torch.equal(cache.ring_g[s, pos], gg[0].float())
-                if cache.keep_v_beta:
-                    assert torch.equal(cache.ring_v[s, pos], v[r].to(cache.dtype))
-                    assert torch.equal(cache.ring_beta[s, pos], beta[0].float())
-                others = [i for i in range(cap) if i != pos]
-                for n in _RINGS:
-                    if n in before:
-                        assert torch.equal(getattr(cache, n)[s, others], before[n][s, others]), n
-                conv[s] = _fold(S_prev, cache.ring_u[s, pos].to(F64), cache.ring_k[s, pos].to(F64),
-                                cache.ring_g[s, pos].to(F64))
-        for s in range(cache.num_slots):
-            if s not in live:
-                assert _slot_equal(cache, before, s), f"slot {s} not in the batch was touched"
-        if live:
-            mat = cache.materialize(live)
-            assert mat.dtype == F64
-            assert_rel(mat, torch.cat([conv[s] for s in live]), 1e-12, f"materialize step {step}")
-    for s in never_used:
-        assert _slot_equal(cache, initial, s), f"unused slot {s} changed"
-    for s, off in zip(active_slots, offsets):
-        assert flushes[s] == (total_steps - off) // L, f"slot {s} flushed {flushes[s]} times"
-    return flushes
+    def step(self, t, r, S_prev):
+        q, k, v, a, bg = (x[r : r + 1] for x in t)
+        return R.gdn_conventional_step(S_prev, q, k, v, a, bg, self.A_log, self.dt_bias, self.scale)
+
+    def check_flush(self, s, S_new, what):
+        assert_fp32_rounding_of(self.cache.checkpoint[s : s + 1], S_new, what)
+
+    def check_record(self, t, r, s, pos, S_prev, S_new, what):
+        cache = self.cache
+        nh, nkh = cache.num_v_heads, cache.num_k_heads
+        q, k, v, a, bg = (x[r : r + 1] for x in t)
+        # the exact record, from the recurrence's state before the token
+        _, kn = R.gdn_normalize(q, k, self.scale)
+        gg, beta = R.gdn_gates(a, bg, self.A_log, self.dt_bias)
+        Sk = (S_prev * kn.repeat_interleave(nh // nkh, dim=1)[:, :, None, :]).sum(-1)
+        u = (beta[..., None] * (v - torch.exp(gg)[..., None] * Sk))[0]
+        unit_k, tiny_k = _UNIT_TINY[cache.dtype]
+        assert_rounding_of(cache.ring_u[s, pos], u, 2.0**-11, 2.0**-24, f"u {what}")
+        assert_rounding_of(cache.ring_k[s, pos], kn[0], unit_k, tiny_k, f"k {what}")
+        assert torch.equal(cache.ring_g[s, pos], gg[0].float())
+        if cache.keep_v_beta:
+            assert torch.equal(cache.ring_v[s, pos], v[0].to(cache.dtype))
+            assert torch.equal(cache.ring_beta[s, pos], beta[0].float())
+        return _fold(S_prev, cache.ring_u[s, pos].to(F64), cache.ring_k[s, pos].to(F64), cache.ring_g[s, pos].to(F64))
+
+    def materialize(self, live):
+        return self.cache.materialize(live)
+
+
+def _drive(cache, *, seed, steps_after_join, offsets, active_slots, act_dtype, origins=None, scale=None):
+    """Run decode steps on `cache` and check every step against the plain recurrence
+    (``_GDNDriver``: slots join at different steps, batches hold pad and out-of-range rows).
+
+    Activations hold values representable in act_dtype but are passed as float64 (so `out`
+    is float64 and nothing but the stored records is rounded). Returns the flushes per slot;
+    checks it is (steps the slot ran) // window.
+    """
+    driver = _GDNDriver(cache, _gen(seed), act_dtype=act_dtype, scale=scale)
+    return driver.run(steps_after_join=steps_after_join, offsets=offsets, active_slots=active_slots,
+                      origins=origins, rtol=1e-10, mat_rtol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -519,11 +418,4 @@ def test_cache_decode_argument_errors():
 def test_materialize_validation_and_fresh_slots():
     g = _gen(14)
     cache = GDNCache(3, HV, V, K, H, window=4, pad_slot_id=0)
-    S = _randn(g, 2, HV, V, K)
-    cache.load_prefill([2, 1], S)
-    assert torch.equal(cache.materialize(torch.tensor([1, 2])), S.flip(0).float().to(F64))
-    assert torch.equal(cache.materialize([2, 2]), S[[0, 0]])
-    with pytest.raises(ValueError, match="slot_ids"):
-        cache.materialize([3])
-    with pytest.raises(ValueError, match="reserved"):
-        cache.materialize([0])
+    checks.check_materialize_fresh_slots(cache, _randn(g, 2, HV, V, K))

@@ -89,18 +89,29 @@ def _f64(t: Tensor) -> Tensor:
     return t.to(dtype=_F64)
 
 
+def _spread_heads(t: Tensor, n_out: int, out_name: str, in_name: str) -> Tensor:
+    """(..., n_in, X) -> (..., n_out, X): output head i gets input head i // (n_out // n_in);
+    n_out must be a multiple of n_in (the error names them ``out_name`` and ``in_name``)."""
+    n_in = t.shape[-2]
+    if n_out % n_in != 0:
+        raise ValueError(f"{out_name} ({n_out}) must be a multiple of {in_name} ({n_in})")
+    return t.repeat_interleave(n_out // n_in, dim=-2)
+
+
+def _state_dot(state: Tensor, x_h: Tensor) -> Tensor:
+    """y[b, hd, p] = sum_n state[b, hd, p, n] * x_h[b, hd, n]: state (b, H, P, N) times one
+    vector per head (already spread to the state's heads)."""
+    return (state * x_h[:, :, None, :]).sum(dim=-1)
+
+
 def _group_to_head(t: Tensor, nheads: int) -> Tensor:
     """(..., G, N) -> (..., H, N): head hd gets group hd // (H // G)."""
-    ngroups = t.shape[-2]
-    if nheads % ngroups != 0:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
-    return t.repeat_interleave(nheads // ngroups, dim=-2)
+    return _spread_heads(t, nheads, "nheads", "ngroups")
 
 
 def _state_times_c(state: Tensor, C: Tensor) -> Tensor:
     """y[b, hd, p] = sum_n state[b, hd, p, n] * C[b, group(hd), n] (all float64)."""
-    C_h = _group_to_head(_f64(C), state.shape[1])
-    return (state * C_h[:, :, None, :]).sum(dim=-1)
+    return _state_dot(state, _group_to_head(_f64(C), state.shape[1]))
 
 
 def _finish_output(y: Tensor, x: Tensor, D: Optional[Tensor], z: Optional[Tensor]) -> Tensor:
@@ -113,14 +124,19 @@ def _finish_output(y: Tensor, x: Tensor, D: Optional[Tensor], z: Optional[Tensor
     return y
 
 
+def _int_values(name: str, values) -> list:
+    """A 1-D integer tensor or a sequence of ints (named ``name`` in errors) as Python ints."""
+    if isinstance(values, Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
+        return [int(v) for v in values.tolist()]
+    return [operator.index(v) for v in values]
+
+
 def _slot_list(slot_ids: Union[Tensor, Sequence[int]]) -> list:
-    if isinstance(slot_ids, Tensor):
-        if slot_ids.dim() != 1:
-            raise ValueError(f"slot_ids must be 1-D, got shape {tuple(slot_ids.shape)}")
-        if slot_ids.dtype.is_floating_point or slot_ids.dtype.is_complex or slot_ids.dtype == torch.bool:
-            raise TypeError(f"slot_ids must be an integer tensor, got {slot_ids.dtype}")
-        return [int(s) for s in slot_ids.tolist()]
-    return [operator.index(s) for s in slot_ids]
+    return _int_values("slot_ids", slot_ids)
 
 
 def _active_rows(cache, slot_ids, nrows: int, per: str) -> list:
@@ -144,6 +160,46 @@ def _check_shape(name: str, t: Optional[Tensor], shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def _check_shapes(*specs: Tuple[str, Optional[Tensor], tuple]) -> None:
+    """``_check_shape(name, t, shape)`` for each (name, t, shape), in order."""
+    for name, t, shape in specs:
+        _check_shape(name, t, shape)
+
+
+def _out_buffer(out: Optional[Tensor], like: Tensor, shape: tuple) -> Tensor:
+    """``out`` checked to have ``shape``, or zeros like ``like`` when ``out`` is None."""
+    if out is None:
+        return torch.zeros_like(like)
+    _check_shape("out", out, shape)
+    return out
+
+
+def _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts: bool = False) -> tuple:
+    """Check a Mamba-2 token batch against ``cache``; returns its leading dims: (b,), or
+    (b, T) with ``drafts`` (a draft axis)."""
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    if not isinstance(x, Tensor) or x.dim() != (4 if drafts else 3):
+        raise ValueError(f"x must be a (batch, {'T, ' if drafts else ''}{H}, {P}) tensor")
+    lead = tuple(x.shape[:-2])
+    _check_shapes(
+        ("x", x, lead + (H, P)), ("dt", dt, lead + (H,)), ("A", A, (H,)), ("B", B, lead + (G, N)),
+        ("C", C, lead + (G, N)), ("D", D, (H,)), ("z", z, lead + (H, P)), ("dt_bias", dt_bias, (H,)),
+    )
+    return lead
+
+
+def _ring_records(cache, slot: int, h: int, rings: Sequence[Tuple[str, tuple]]) -> Tuple[Tensor, ...]:
+    """The h committed records of one slot, oldest first: one float64 (1, h, *shape) tensor per
+    (ring name, record shape) in ``rings``. Record i lives at ring index (origin + i) % capacity;
+    values are read as stored and converted exactly to float64."""
+    dev = cache.checkpoint.device
+    if h == 0:
+        return tuple(torch.zeros((1, 0) + shape, dtype=_F64, device=dev) for _, shape in rings)
+    origin = int(cache.origin[slot])
+    idx = torch.tensor([(origin + i) % cache.capacity for i in range(h)], device=dev)
+    return tuple(_f64(getattr(cache, name)[slot].index_select(0, idx)).unsqueeze(0) for name, _ in rings)
+
+
 def _slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]:
     """The h committed records of one slot, oldest first, as float64 (1, h, ...) tensors.
 
@@ -151,20 +207,56 @@ def _slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]:
     (activation dtype for x and B, fp32 for dt) and converted exactly to float64.
     """
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    dev = cache.checkpoint.device
-    if h == 0:
-        return (
-            torch.zeros((1, 0, H, P), dtype=_F64, device=dev),
-            torch.zeros((1, 0, G, N), dtype=_F64, device=dev),
-            torch.zeros((1, 0, H), dtype=_F64, device=dev),
-        )
-    origin = int(cache.origin[slot])
-    idx = torch.tensor([(origin + i) % cache.capacity for i in range(h)], device=dev)
-    return (
-        _f64(cache.ring_x[slot].index_select(0, idx)).unsqueeze(0),
-        _f64(cache.ring_B[slot].index_select(0, idx)).unsqueeze(0),
-        _f64(cache.ring_dt[slot].index_select(0, idx)).unsqueeze(0),
-    )
+    return _ring_records(cache, slot, h, (("ring_x", (H, P)), ("ring_B", (G, N)), ("ring_dt", (H,))))
+
+
+def _write_records_(cache, slot: int, pos, records: dict) -> None:
+    """ring[slot, pos] = value, cast to that ring's dtype and device, for each (ring name, value)."""
+    for name, value in records.items():
+        ring = getattr(cache, name)
+        ring[slot, pos] = value.to(dtype=ring.dtype, device=ring.device)
+
+
+def _store_checkpoint_(cache, slot: int, new_ckpt: Tensor) -> None:
+    """A flush: the slot's checkpoint = new_ckpt (cast to its dtype) and cursor = 0."""
+    cache.checkpoint[slot] = new_ckpt.to(dtype=cache.checkpoint.dtype)
+    cache.cursor[slot] = 0
+
+
+def _decode_rows_(cache, slot_ids, nrows: int, per: str, out: Tensor, records, step) -> Tensor:
+    """The row loop of a cache-level decode step (``*_decode_cache_``); returns ``out``.
+
+    For every active row r (slot s), with h = cursor[s] (h == window admitted with draft room):
+    ``step(checkpoint[s : s + 1], records(cache, s, h), slice(r, r + 1), window)`` gives (y,
+    new_checkpoint, record) for ``window = max(cache.window, h + 1)`` (h == window after a
+    speculative commit: flush all); y[0] is cast into ``out[r]``. Then flush (h + 1 >= window):
+    ``_store_checkpoint_``; otherwise ``record()`` (ring name -> value of the token's record) is
+    written at ring index (origin + h) % capacity and cursor = h + 1.
+    """
+    for r, s in _active_rows(cache, slot_ids, nrows, per):
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
+        y, new_ckpt, record = step(cache.checkpoint[s : s + 1], records(cache, s, h), slice(r, r + 1),
+                                   max(cache.window, h + 1))
+        out[r] = y[0].to(dtype=out.dtype, device=out.device)
+        if h + 1 >= cache.window:
+            _store_checkpoint_(cache, s, new_ckpt[0])
+        else:
+            _write_records_(cache, s, (int(cache.origin[s]) + h) % cache.capacity, record())
+            cache.cursor[s] = h + 1
+    return out
+
+
+def _materialize(cache, slot_ids, state_shape: tuple, records, replay) -> Tensor:
+    """Float64 (n, *state_shape): for each named slot, ``replay(checkpoint, *records(cache, slot,
+    h))``. Slot ids must lie in [0, num_slots); h == window is admitted with draft room."""
+    ids = _slot_list(slot_ids)
+    out = torch.empty((len(ids),) + state_shape, dtype=_F64, device=cache.checkpoint.device)
+    for i, s in enumerate(ids):
+        if not 0 <= s < cache.num_slots:
+            raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
+        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
+        out[i] = replay(cache.checkpoint[s : s + 1], *records(cache, s, h))[0]
+    return out
 
 
 def _slot_cursor(cache, slot: int, allow_full: bool = False) -> int:
@@ -181,6 +273,32 @@ def _spec_room(cache) -> bool:
     """True when the cache has ring room for drafts (max_draft > 0): only then can a
     speculative commit leave a slot with h == window committed records."""
     return getattr(cache, "max_draft", 0) > 0
+
+
+def _check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+
+
+def _ring_len(window: int, rings: dict) -> int:
+    """h, the number of records (dim 1) that every ring tensor of ``rings`` (name -> tensor)
+    holds; needs 0 <= h < window."""
+    counts = [t.shape[1] for t in rings.values()]
+    h = counts[0]
+    if any(c != h for c in counts):
+        raise ValueError(
+            f"{', '.join(rings)} must hold the same number of records, got {', '.join(map(str, counts))}"
+        )
+    if not 0 <= h < window:
+        raise ValueError(f"the ring holds h={h} records; need 0 <= h < window={window}")
+    return h
+
+
+def _later_sums(t: Tensor) -> Tensor:
+    """Exclusive suffix sums along the ring (dim 1): out[:, j] = sum_{i > j} t[:, i]."""
+    later = torch.zeros_like(t)
+    later[:, :-1] = torch.flip(torch.cumsum(torch.flip(t[:, 1:], dims=[1]), dim=1), dims=[1])
+    return later
 
 
 # ----------------------------------------------------------------------------- layer math
@@ -262,10 +380,7 @@ def mamba2_replay_output(
     A64 = _f64(A)[None, None, :]  # (1, 1, H)
     dt = _f64(ring_dt)  # (b, h, H)
 
-    # sum_{i > j} dt_i for every record j (exclusive suffix sum along the ring).
-    later = torch.zeros_like(dt)
-    later[:, :-1] = torch.flip(torch.cumsum(torch.flip(dt[:, 1:], dims=[1]), dim=1), dims=[1])
-    w = dt * torch.exp(A64 * later)  # (b, h, H)
+    w = dt * torch.exp(A64 * _later_sums(dt))  # (b, h, H); exponent A * sum_{i > j} dt_i
     gamma = torch.exp(A64[:, 0] * dt.sum(dim=1))  # (b, H)
 
     kq = (_f64(ring_B) * _f64(C)[:, None]).sum(dim=-1)  # (b, h, G): B_j . C per group
@@ -310,18 +425,10 @@ def mamba2_replay_step(
     Returns (y, new_checkpoint, new_ring_x, new_ring_B, new_ring_dt), all float64; the new
     rings hold h + 1 records (non-flush) or 0 records (flush), new_ring_dt after softplus.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    _check_window(window)
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
-    h = ring_x.shape[1]
-    if not (ring_B.shape[1] == h and ring_dt.shape[1] == h):
-        raise ValueError(
-            f"ring_x, ring_B, ring_dt must hold the same number of records, got "
-            f"{ring_x.shape[1]}, {ring_B.shape[1]}, {ring_dt.shape[1]}"
-        )
-    if not 0 <= h < window:
-        raise ValueError(f"the ring holds h={h} records; need 0 <= h < window={window}")
+    h = _ring_len(window, {"ring_x": ring_x, "ring_B": ring_B, "ring_dt": ring_dt})
 
     dt64 = mamba2_dt(dt, dt_bias, dt_softplus)  # (b, H)
     all_x = torch.cat([_f64(ring_x), _f64(x)[:, None]], dim=1)
@@ -382,71 +489,27 @@ def mamba2_decode_cache_(
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
     touched. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
     """
-    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    if not isinstance(x, Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a (batch, {H}, {P}) tensor")
-    b = x.shape[0]
-    _check_shape("x", x, (b, H, P))
-    _check_shape("dt", dt, (b, H))
-    _check_shape("A", A, (H,))
-    _check_shape("B", B, (b, G, N))
-    _check_shape("C", C, (b, G, N))
-    _check_shape("D", D, (H,))
-    _check_shape("z", z, (b, H, P))
-    _check_shape("dt_bias", dt_bias, (H,))
-    if out is None:
-        out = torch.zeros_like(x)
-    else:
-        _check_shape("out", out, (b, H, P))
-    for r, s in _active_rows(cache, slot_ids, b, "x"):
-        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
-        row = slice(r, r + 1)
+    (b,) = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias)
+    out = _out_buffer(out, x, (b, cache.nheads, cache.headdim))
+
+    def step(ckpt, recs, row, window):
         y, new_ckpt, _, _, new_dt = mamba2_replay_step(
-            cache.checkpoint[s : s + 1],
-            rec_x,
-            rec_B,
-            rec_dt,
-            x[row],
-            dt[row],
-            A,
-            B[row],
-            C[row],
-            D,
-            None if z is None else z[row],
-            dt_bias,
-            dt_softplus,
-            window=max(cache.window, h + 1),  # h == window after a speculative commit: flush all
-            route="output_only",
+            ckpt, *recs, x[row], dt[row], A, B[row], C[row], D, None if z is None else z[row], dt_bias,
+            dt_softplus, window=window, route="output_only",
         )
-        out[r] = y[0].to(dtype=out.dtype, device=out.device)
-        if h + 1 >= cache.window:
-            cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
-            cache.cursor[s] = 0
-        else:
-            pos = (int(cache.origin[s]) + h) % cache.capacity
-            cache.ring_x[s, pos] = x[r].to(dtype=cache.ring_x.dtype, device=cache.ring_x.device)
-            cache.ring_B[s, pos] = B[r].to(dtype=cache.ring_B.dtype, device=cache.ring_B.device)
-            cache.ring_dt[s, pos] = new_dt[0, -1].to(dtype=cache.ring_dt.dtype)
-            cache.cursor[s] = h + 1
-    return out
+        return y, new_ckpt, lambda: {"ring_x": x[row][0], "ring_B": B[row][0], "ring_dt": new_dt[0, -1]}
+
+    return _decode_rows_(cache, slot_ids, b, "x", out, _slot_records, step)
 
 
 def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
     """Current state of each named slot, float64 (n, H, P, N): checkpoint + replay of its
     committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
     with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
-    ids = _slot_list(slot_ids)
-    out = torch.empty(
-        (len(ids), cache.nheads, cache.headdim, cache.dstate), dtype=_F64, device=cache.checkpoint.device
+    return _materialize(
+        cache, slot_ids, (cache.nheads, cache.headdim, cache.dstate), _slot_records,
+        lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
     )
-    for i, s in enumerate(ids):
-        if not 0 <= s < cache.num_slots:
-            raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
-        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
-        out[i] = mamba2_replay(cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, A)[0]
-    return out
 
 
 # ============================================================================= Gated DeltaNet
@@ -454,16 +517,12 @@ def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor)
 
 def _key_to_value_heads(t: Tensor, num_v_heads: int) -> Tensor:
     """(..., H, K) -> (..., HV, K): value head hv gets key head hv // (HV // H)."""
-    num_k_heads = t.shape[-2]
-    if num_v_heads % num_k_heads != 0:
-        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-    return t.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+    return _spread_heads(t, num_v_heads, "num_v_heads", "num_k_heads")
 
 
 def _state_times(state: Tensor, x: Tensor) -> Tensor:
     """o[b, hv, v] = sum_k state[b, hv, v, k] * x[b, key_head(hv), k] (all float64)."""
-    x_v = _key_to_value_heads(_f64(x), state.shape[1])
-    return (state * x_v[:, :, None, :]).sum(dim=-1)
+    return _state_dot(state, _key_to_value_heads(_f64(x), state.shape[1]))
 
 
 def _require(name: str, t) -> None:
@@ -519,7 +578,7 @@ def gdn_conventional_step(
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     alpha = torch.exp(g)  # (bsz, HV)
     k_v = _key_to_value_heads(kn, HV)  # (bsz, HV, K)
-    Sk = (S * k_v[:, :, None, :]).sum(dim=-1)  # (bsz, HV, V)
+    Sk = _state_dot(S, k_v)  # (bsz, HV, V)
     u = beta[:, :, None] * (_f64(v) - alpha[:, :, None] * Sk)
     new_state = alpha[:, :, None, None] * S + u[:, :, :, None] * k_v[:, :, None, :]
     return _state_times(new_state, qn), new_state
@@ -552,10 +611,7 @@ def gdn_replay_output(checkpoint: Tensor, ring_u: Tensor, ring_k: Tensor, ring_g
     HV = S0.shape[1]
     g = _f64(ring_g)  # (bsz, h, HV)
 
-    # sum_{i > j} g_i for every record j (exclusive suffix sum along the ring).
-    later = torch.zeros_like(g)
-    later[:, :-1] = torch.flip(torch.cumsum(torch.flip(g[:, 1:], dims=[1]), dim=1), dims=[1])
-    w = torch.exp(later)  # (bsz, h, HV): gamma_{j+1:h}
+    w = torch.exp(_later_sums(g))  # (bsz, h, HV): gamma_{j+1:h} = exp(sum_{i > j} g_i)
     gamma = torch.exp(g.sum(dim=1))  # (bsz, HV)
 
     kx = (_f64(ring_k) * _f64(x)[:, None]).sum(dim=-1)  # (bsz, h, H): k_j . x per key head
@@ -598,16 +654,8 @@ def gdn_replay_step(
     Returns (o (bsz, HV, V), new_checkpoint, new_ring_u, new_ring_k, new_ring_g), float64;
     new_ring_k holds normalised keys, new_ring_g the log decays g.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
-    h = ring_u.shape[1]
-    if not (ring_k.shape[1] == h and ring_g.shape[1] == h):
-        raise ValueError(
-            f"ring_u, ring_k, ring_g must hold the same number of records, got "
-            f"{ring_u.shape[1]}, {ring_k.shape[1]}, {ring_g.shape[1]}"
-        )
-    if not 0 <= h < window:
-        raise ValueError(f"the ring holds h={h} records; need 0 <= h < window={window}")
+    _check_window(window)
+    h = _ring_len(window, {"ring_u": ring_u, "ring_k": ring_k, "ring_g": ring_g})
 
     ckpt = _f64(checkpoint)
     HV = ckpt.shape[1]
@@ -640,20 +688,32 @@ def _gdn_slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]
     k in the activation dtype, g fp32) and converted exactly to float64.
     """
     HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
-    dev = cache.checkpoint.device
-    if h == 0:
-        return (
-            torch.zeros((1, 0, HV, V), dtype=_F64, device=dev),
-            torch.zeros((1, 0, H, K), dtype=_F64, device=dev),
-            torch.zeros((1, 0, HV), dtype=_F64, device=dev),
-        )
-    origin = int(cache.origin[slot])
-    idx = torch.tensor([(origin + i) % cache.capacity for i in range(h)], device=dev)
-    return (
-        _f64(cache.ring_u[slot].index_select(0, idx)).unsqueeze(0),
-        _f64(cache.ring_k[slot].index_select(0, idx)).unsqueeze(0),
-        _f64(cache.ring_g[slot].index_select(0, idx)).unsqueeze(0),
+    return _ring_records(cache, slot, h, (("ring_u", (HV, V)), ("ring_k", (H, K)), ("ring_g", (HV,))))
+
+
+def _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts: bool = False, check_v: bool = True) -> tuple:
+    """Check a GDN token batch against ``cache``; returns its leading dims: (bsz,), or
+    (bsz, T) with ``drafts`` (a draft axis). ``check_v=False`` checks v's rank only."""
+    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+    if not isinstance(v, Tensor) or v.dim() != (4 if drafts else 3):
+        raise ValueError(f"v must be a (batch, {'T, ' if drafts else ''}{HV}, {V}) tensor")
+    lead = tuple(v.shape[:-2])
+    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        _require(name, t)
+    specs = (
+        ("q", q, lead + (H, K)), ("k", k, lead + (H, K)), ("v", v, lead + (HV, V)), ("a", a, lead + (HV,)),
+        ("b", b, lead + (HV,)), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, (HV,)),
     )
+    _check_shapes(*(spec for spec in specs if check_v or spec[0] != "v"))
+    return lead
+
+
+def _gdn_records(cache, u: Tensor, k: Tensor, g: Tensor, v: Tensor, beta: Tensor) -> dict:
+    """Ring name -> value of a GDN record (u, normalised k, g; v and beta when the cache keeps them)."""
+    records = {"ring_u": u, "ring_k": k, "ring_g": g}
+    if cache.ring_v is not None:
+        records.update(ring_v=v, ring_beta=beta)
+    return records
 
 
 def gdn_decode_cache_(
@@ -691,72 +751,27 @@ def gdn_decode_cache_(
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
     touched. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
     """
-    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
-    if not isinstance(v, Tensor) or v.dim() != 3:
-        raise ValueError(f"v must be a (batch, {HV}, {V}) tensor")
-    bsz = v.shape[0]
-    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        _require(name, t)
-    _check_shape("q", q, (bsz, H, K))
-    _check_shape("k", k, (bsz, H, K))
-    _check_shape("v", v, (bsz, HV, V))
-    _check_shape("a", a, (bsz, HV))
-    _check_shape("b", b, (bsz, HV))
-    _check_shape("A_log", A_log, (HV,))
-    _check_shape("dt_bias", dt_bias, (HV,))
-    if out is None:
-        out = torch.zeros_like(v)
-    else:
-        _check_shape("out", out, (bsz, HV, V))
-    for r, s in _active_rows(cache, slot_ids, bsz, "v"):
-        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
-        row = slice(r, r + 1)
+    (bsz,) = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias)
+    out = _out_buffer(out, v, (bsz, cache.num_v_heads, cache.head_v_dim))
+
+    def step(ckpt, recs, row, window):
         o, new_ckpt, new_u, new_k, new_g = gdn_replay_step(
-            cache.checkpoint[s : s + 1],
-            rec_u,
-            rec_k,
-            rec_g,
-            q[row],
-            k[row],
-            v[row],
-            a[row],
-            b[row],
-            A_log,
-            dt_bias,
-            scale,
-            window=max(cache.window, h + 1),  # h == window after a speculative commit: flush all
+            ckpt, *recs, q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale, window=window
         )
-        out[r] = o[0].to(dtype=out.dtype, device=out.device)
-        if h + 1 >= cache.window:
-            cache.checkpoint[s] = new_ckpt[0].to(dtype=cache.checkpoint.dtype)
-            cache.cursor[s] = 0
-        else:
-            pos = (int(cache.origin[s]) + h) % cache.capacity
-            cache.ring_u[s, pos] = new_u[0, -1].to(dtype=cache.ring_u.dtype)
-            cache.ring_k[s, pos] = new_k[0, -1].to(dtype=cache.ring_k.dtype)
-            cache.ring_g[s, pos] = new_g[0, -1].to(dtype=cache.ring_g.dtype)
-            if cache.ring_v is not None:
-                _, beta = gdn_gates(a[row], b[row], A_log, dt_bias)
-                cache.ring_v[s, pos] = v[r].to(dtype=cache.ring_v.dtype, device=cache.ring_v.device)
-                cache.ring_beta[s, pos] = beta[0].to(dtype=cache.ring_beta.dtype, device=cache.ring_beta.device)
-            cache.cursor[s] = h + 1
-    return out
+
+        def record():
+            _, beta = gdn_gates(a[row], b[row], A_log, dt_bias)
+            return _gdn_records(cache, new_u[0, -1], new_k[0, -1], new_g[0, -1], v[row][0], beta[0])
+
+        return o, new_ckpt, record
+
+    return _decode_rows_(cache, slot_ids, bsz, "v", out, _gdn_slot_records, step)
 
 
 def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
     """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint + replay of
     its committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
     with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
-    ids = _slot_list(slot_ids)
-    out = torch.empty(
-        (len(ids), cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), dtype=_F64,
-        device=cache.checkpoint.device,
+    return _materialize(
+        cache, slot_ids, (cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), _gdn_slot_records, gdn_replay
     )
-    for i, s in enumerate(ids):
-        if not 0 <= s < cache.num_slots:
-            raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
-        h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
-        out[i] = gdn_replay(cache.checkpoint[s : s + 1], rec_u, rec_k, rec_g)[0]
-    return out

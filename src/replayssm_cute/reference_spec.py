@@ -63,13 +63,19 @@ from .reference import (
     _check_shape,
     _f64,
     _finish_output,
+    _gdn_lead,
+    _gdn_records,
     _gdn_slot_records,
     _group_to_head,
+    _int_values,
     _key_to_value_heads,
-    _require,
+    _mamba2_lead,
+    _out_buffer,
     _slot_cursor,
     _slot_list,
     _slot_records,
+    _store_checkpoint_,
+    _write_records_,
     gdn_conventional_step,
     gdn_gates,
     gdn_normalize,
@@ -143,14 +149,7 @@ def _num_drafts(cache, T: int, what: str) -> None:
 
 
 def _int_list(name: str, values, n: int) -> list:
-    if isinstance(values, Tensor):
-        if values.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
-        out = [int(v) for v in values.tolist()]
-    else:
-        out = [operator.index(v) for v in values]
+    out = _int_values(name, values)
     if len(out) != n:
         raise ValueError(f"{name} has {len(out)} entries, expected {n} (one per row of slot_ids)")
     return out
@@ -164,9 +163,51 @@ def _ring_positions(cache, slot: int, h: int, T: int) -> Tensor:
 
 def _flush_(cache, slot: int, h: int, new_ckpt: Tensor) -> None:
     """Store the folded checkpoint and drop the h committed records by moving the origin."""
-    cache.checkpoint[slot] = new_ckpt.to(dtype=cache.checkpoint.dtype)
+    _store_checkpoint_(cache, slot, new_ckpt)
     cache.origin[slot] = (int(cache.origin[slot]) + h) % cache.capacity
-    cache.cursor[slot] = 0
+
+
+def _verify_rows_(cache, slot_ids, nrows: int, per: str, out: Tensor, T: int, records, verify, replay) -> Tensor:
+    """The row loop of a cache-level verify step (``*_verify_cache_``); returns ``out``.
+
+    For every active row r (slot s), with h = cursor[s] (0 <= h <= window): ``verify(checkpoint[s
+    : s + 1], records(cache, s, h), slice(r, r + 1))`` gives (outputs, records of the T drafts
+    as ring name -> value); outputs[0] is cast into ``out[r]``, the drafts are written at
+    ``_ring_positions`` and, if ``spec_flush``, the slot flushes: ``_flush_`` with
+    ``replay(checkpoint[s : s + 1], *committed records)``.
+    """
+    for r, s in _active_rows(cache, slot_ids, nrows, per):
+        h = _slot_cursor(cache, s, allow_full=True)
+        recs = records(cache, s, h)
+        y, drafts = verify(cache.checkpoint[s : s + 1], recs, slice(r, r + 1))
+        out[r] = y[0].to(dtype=out.dtype, device=out.device)
+        _write_records_(cache, s, _ring_positions(cache, s, h, T), drafts)
+        if spec_flush(h, T, cache.window):
+            _flush_(cache, s, h, replay(cache.checkpoint[s : s + 1], *recs)[0])
+    return out
+
+
+def _stepped(state: Tensor, T: int, step) -> Tuple[Tensor, Tensor]:
+    """Run ``step(S, s) -> (output, new S)`` for s = 0..T-1 from float64 ``state``; returns the
+    outputs and the state after each step, stacked on a new dim 1."""
+    S = _f64(state)
+    outs, snaps = [], []
+    for s in range(T):
+        o, S = step(S, s)
+        outs.append(o)
+        snaps.append(S)
+    return torch.stack(outs, dim=1), torch.stack(snaps, dim=1)
+
+
+def _snapshot_rows_(cache, slot_ids, nrows: int, per: str, out: Tensor, snapshots: Tensor, verify_row) -> Tensor:
+    """The row loop of the snapshot baseline: for every active row r (slot s),
+    ``verify_row(checkpoint[s : s + 1], slice(r, r + 1)) -> (out, snapshots)`` of that row, cast
+    into ``out[r]`` and ``snapshots[r]``. Returns ``out``."""
+    for r, s in _active_rows(cache, slot_ids, nrows, per):
+        o, snaps = verify_row(cache.checkpoint[s : s + 1], slice(r, r + 1))
+        out[r] = o[0].to(dtype=out.dtype, device=out.device)
+        snapshots[r] = snaps[0].to(dtype=snapshots.dtype, device=snapshots.device)
+    return out
 
 
 # ============================================================================= Mamba-2
@@ -254,39 +295,20 @@ def mamba2_verify_cache_(
     Replay(checkpoint, the h committed records) in fp32, origin = (o + h) % capacity, cursor
     = 0. Cursors are not advanced: ``commit_cache_`` does that. ``arrivals`` is not touched.
     """
-    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        raise ValueError(f"x must be a (batch, T, {H}, {P}) tensor")
-    b, T = x.shape[:2]
-    _check_shape("x", x, (b, T, H, P))
-    _check_shape("dt", dt, (b, T, H))
-    _check_shape("A", A, (H,))
-    _check_shape("B", B, (b, T, G, N))
-    _check_shape("C", C, (b, T, G, N))
-    _check_shape("D", D, (H,))
-    _check_shape("z", z, (b, T, H, P))
-    _check_shape("dt_bias", dt_bias, (H,))
+    b, T = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts=True)
     _num_drafts(cache, T, "x")
-    if out is None:
-        out = torch.zeros_like(x)
-    else:
-        _check_shape("out", out, (b, T, H, P))
-    for r, s in _active_rows(cache, slot_ids, b, "x"):
-        h = _slot_cursor(cache, s, allow_full=True)
-        rec_x, rec_B, rec_dt = _slot_records(cache, s, h)
-        row = slice(r, r + 1)
+    out = _out_buffer(out, x, (b, T, cache.nheads, cache.headdim))
+
+    def verify(ckpt, recs, row):
         y, dt_d = mamba2_verify_output(
-            cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, x[row], dt[row], A, B[row], C[row], D,
-            None if z is None else z[row], dt_bias, dt_softplus,
+            ckpt, *recs, x[row], dt[row], A, B[row], C[row], D, None if z is None else z[row], dt_bias, dt_softplus
         )
-        out[r] = y[0].to(dtype=out.dtype, device=out.device)
-        pos = _ring_positions(cache, s, h, T)
-        cache.ring_x[s, pos] = x[r].to(dtype=cache.ring_x.dtype, device=cache.ring_x.device)
-        cache.ring_B[s, pos] = B[r].to(dtype=cache.ring_B.dtype, device=cache.ring_B.device)
-        cache.ring_dt[s, pos] = dt_d[0].to(dtype=cache.ring_dt.dtype, device=cache.ring_dt.device)
-        if spec_flush(h, T, cache.window):
-            _flush_(cache, s, h, mamba2_replay(cache.checkpoint[s : s + 1], rec_x, rec_B, rec_dt, A)[0])
-    return out
+        return y, {"ring_x": x[row][0], "ring_B": B[row][0], "ring_dt": dt_d[0]}
+
+    return _verify_rows_(
+        cache, slot_ids, b, "x", out, T, _slot_records, verify,
+        lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
+    )
 
 
 # ============================================================================= Gated DeltaNet
@@ -422,43 +444,17 @@ def gdn_verify_cache_(
     in fp32, origin = (o + h) % capacity, cursor = 0. Cursors are not advanced (see
     ``commit_cache_``). ``arrivals`` is not touched.
     """
-    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
-    if not isinstance(v, Tensor) or v.dim() != 4:
-        raise ValueError(f"v must be a (batch, T, {HV}, {V}) tensor")
-    bsz, T = v.shape[:2]
-    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        _require(name, t)
-    _check_shape("q", q, (bsz, T, H, K))
-    _check_shape("k", k, (bsz, T, H, K))
-    _check_shape("v", v, (bsz, T, HV, V))
-    _check_shape("a", a, (bsz, T, HV))
-    _check_shape("b", b, (bsz, T, HV))
-    _check_shape("A_log", A_log, (HV,))
-    _check_shape("dt_bias", dt_bias, (HV,))
+    bsz, T = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts=True)
     _num_drafts(cache, T, "v")
-    if out is None:
-        out = torch.zeros_like(v)
-    else:
-        _check_shape("out", out, (bsz, T, HV, V))
-    for r, s in _active_rows(cache, slot_ids, bsz, "v"):
-        h = _slot_cursor(cache, s, allow_full=True)
-        rec_u, rec_k, rec_g = _gdn_slot_records(cache, s, h)
-        row = slice(r, r + 1)
+    out = _out_buffer(out, v, (bsz, T, cache.num_v_heads, cache.head_v_dim))
+
+    def verify(ckpt, recs, row):
         o, u_d, kn, g, beta = gdn_verify_output(
-            cache.checkpoint[s : s + 1], rec_u, rec_k, rec_g, q[row], k[row], v[row], a[row], b[row],
-            A_log, dt_bias, scale,
+            ckpt, *recs, q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale
         )
-        out[r] = o[0].to(dtype=out.dtype, device=out.device)
-        pos = _ring_positions(cache, s, h, T)
-        cache.ring_u[s, pos] = u_d[0].to(dtype=cache.ring_u.dtype, device=cache.ring_u.device)
-        cache.ring_k[s, pos] = kn[0].to(dtype=cache.ring_k.dtype, device=cache.ring_k.device)
-        cache.ring_g[s, pos] = g[0].to(dtype=cache.ring_g.dtype, device=cache.ring_g.device)
-        if cache.ring_v is not None:
-            cache.ring_v[s, pos] = v[r].to(dtype=cache.ring_v.dtype, device=cache.ring_v.device)
-            cache.ring_beta[s, pos] = beta[0].to(dtype=cache.ring_beta.dtype, device=cache.ring_beta.device)
-        if spec_flush(h, T, cache.window):
-            _flush_(cache, s, h, gdn_replay(cache.checkpoint[s : s + 1], rec_u, rec_k, rec_g)[0])
-    return out
+        return o, _gdn_records(cache, u_d[0], kn[0], g[0], v[row][0], beta[0])
+
+    return _verify_rows_(cache, slot_ids, bsz, "v", out, T, _gdn_slot_records, verify, gdn_replay)
 
 
 # ============================================================================= commit
@@ -522,15 +518,12 @@ def mamba2_snapshot_verify(
     """Conventional speculative verify: state (b, H, P, N) read once, T tokens (b, T, ...)
     stepped with the recurrence, the full state stored after each. Returns (y (b, T, H, P),
     snapshots (b, T, H, P, N)), float64; snapshots[:, s] = state after draft s (0-based)."""
-    S = _f64(state)
-    ys, snaps = [], []
-    for s in range(x.shape[1]):
-        y, S = mamba2_conventional_step(
+    return _stepped(
+        state, x.shape[1],
+        lambda S, s: mamba2_conventional_step(
             S, x[:, s], dt[:, s], A, B[:, s], C[:, s], D, None if z is None else z[:, s], dt_bias, dt_softplus
-        )
-        ys.append(y)
-        snaps.append(S)
-    return torch.stack(ys, dim=1), torch.stack(snaps, dim=1)
+        ),
+    )
 
 
 def gdn_snapshot_verify(
@@ -547,13 +540,10 @@ def gdn_snapshot_verify(
     """Conventional GDN speculative verify: state (b, HV, V, K) read once, T tokens stepped
     with the recurrence, a full state stored after each. Returns (o (b, T, HV, V), snapshots
     (b, T, HV, V, K)), float64."""
-    S = _f64(state)
-    os_, snaps = [], []
-    for s in range(v.shape[1]):
-        o, S = gdn_conventional_step(S, q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], A_log, dt_bias, scale)
-        os_.append(o)
-        snaps.append(S)
-    return torch.stack(os_, dim=1), torch.stack(snaps, dim=1)
+    return _stepped(
+        state, v.shape[1],
+        lambda S, s: gdn_conventional_step(S, q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], A_log, dt_bias, scale),
+    )
 
 
 def snapshot_select(snapshots: Tensor, num_accepted: Union[Tensor, Sequence[int]]) -> Tensor:
@@ -601,30 +591,18 @@ def mamba2_snapshot_verify_cache_(
     commit, ``snapshot_commit_cache_``, copies the accepted snapshot). Pad rows skipped (their
     snapshot and out rows untouched). Returns out (b, T, H, P), x's dtype."""
     _check_conventional(cache)
-    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        raise ValueError(f"x must be a (batch, T, {H}, {P}) tensor")
-    b, T = x.shape[:2]
-    for name, t, shape in (("x", x, (b, T, H, P)), ("dt", dt, (b, T, H)), ("A", A, (H,)),
-                           ("B", B, (b, T, G, N)), ("C", C, (b, T, G, N)), ("D", D, (H,)),
-                           ("z", z, (b, T, H, P)), ("dt_bias", dt_bias, (H,))):
-        _check_shape(name, t, shape)
+    H, P, N = cache.nheads, cache.headdim, cache.dstate
+    b, T = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts=True)
     if T < 1:
         raise ValueError("x must hold at least one draft token")
     _check_snapshots(snapshots, (b, T, H, P, N))
-    if out is None:
-        out = torch.zeros_like(x)
-    else:
-        _check_shape("out", out, (b, T, H, P))
-    for r, s in _active_rows(cache, slot_ids, b, "x"):
-        row = slice(r, r + 1)
-        y, snaps = mamba2_snapshot_verify(
-            cache.checkpoint[s : s + 1], x[row], dt[row], A, B[row], C[row], D,
-            None if z is None else z[row], dt_bias, dt_softplus,
-        )
-        out[r] = y[0].to(dtype=out.dtype, device=out.device)
-        snapshots[r] = snaps[0].to(dtype=snapshots.dtype, device=snapshots.device)
-    return out
+    out = _out_buffer(out, x, (b, T, H, P))
+    return _snapshot_rows_(
+        cache, slot_ids, b, "x", out, snapshots,
+        lambda ckpt, row: mamba2_snapshot_verify(
+            ckpt, x[row], dt[row], A, B[row], C[row], D, None if z is None else z[row], dt_bias, dt_softplus
+        ),
+    )
 
 
 def gdn_snapshot_verify_cache_(
@@ -644,30 +622,16 @@ def gdn_snapshot_verify_cache_(
     """Cache-level conventional speculative baseline on a conventional ``GDNCache`` (window ==
     1); as ``mamba2_snapshot_verify_cache_``, with snapshots (batch, T, HV, V, K)."""
     _check_conventional(cache)
-    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
-    if not isinstance(v, Tensor) or v.dim() != 4:
-        raise ValueError(f"v must be a (batch, T, {HV}, {V}) tensor")
-    bsz, T = v.shape[:2]
-    for name, t in (("q", q), ("k", k), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        _require(name, t)
-    for name, t, shape in (("q", q, (bsz, T, H, K)), ("k", k, (bsz, T, H, K)), ("a", a, (bsz, T, HV)),
-                           ("b", b, (bsz, T, HV)), ("A_log", A_log, (HV,)), ("dt_bias", dt_bias, (HV,))):
-        _check_shape(name, t, shape)
+    HV, V, K = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim
+    bsz, T = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts=True, check_v=False)
     if T < 1:
         raise ValueError("v must hold at least one draft token")
     _check_snapshots(snapshots, (bsz, T, HV, V, K))
-    if out is None:
-        out = torch.zeros_like(v)
-    else:
-        _check_shape("out", out, (bsz, T, HV, V))
-    for r, s in _active_rows(cache, slot_ids, bsz, "v"):
-        row = slice(r, r + 1)
-        o, snaps = gdn_snapshot_verify(
-            cache.checkpoint[s : s + 1], q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale
-        )
-        out[r] = o[0].to(dtype=out.dtype, device=out.device)
-        snapshots[r] = snaps[0].to(dtype=snapshots.dtype, device=snapshots.device)
-    return out
+    out = _out_buffer(out, v, (bsz, T, HV, V))
+    return _snapshot_rows_(
+        cache, slot_ids, bsz, "v", out, snapshots,
+        lambda ckpt, row: gdn_snapshot_verify(ckpt, q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale),
+    )
 
 
 def snapshot_commit_cache_(
