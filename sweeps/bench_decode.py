@@ -54,9 +54,17 @@ GRIDS = {
     "gdn": ([(16, 4), (8, 2), (16, 2)], [(32, 4), (64, 4), (16, 4), (32, 2), (64, 8), (32, 8)]),
 }
 QUICK_CANDIDATES = 2
-NO_GPU = ("bench_decode: no CUDA GPU found (torch.cuda.is_available() is False); this benchmark "
+NO_GPU = ("{prog}: no CUDA GPU found (torch.cuda.is_available() is False); this benchmark "
           "times kernels on a GPU and needs one. Without a GPU, --compile-only (with CUTE_DSL_ARCH="
           "sm_90a, sm_100a or sm_103a) builds the candidate kernels into the compile cache.")
+
+
+def grid_configs(model, batch: int, defaults, valid, limit=None):
+    """`defaults`, then the layer's grid (GRIDS) for this batch: the distinct configs for which
+    valid(config) holds, the first `limit` of them (all with None)."""
+    layer = bench_layer(model)
+    configs = list(defaults) + [layer.config(rows, warps) for rows, warps in GRIDS[model.layer][batch > SMALL_BATCH]]
+    return [c for c in dict.fromkeys(configs) if valid(c)][:limit]
 
 
 def candidate_configs(model, batch: int, window: int = 16, quick: bool = False):
@@ -65,11 +73,9 @@ def candidate_configs(model, batch: int, window: int = 16, quick: bool = False):
     keeping those valid for both (one config list serves both kernels)."""
     layer = bench_layer(model)
     windows = sorted({1, window}, reverse=True)
-    configs = [layer.default_config(model, batch, w) for w in windows]
-    configs += [layer.config(rows, warps) for rows, warps in GRIDS[model.layer][batch > SMALL_BATCH]]
     shapes = [layer.kernel_shape(model, w) for w in windows]
-    configs = [c for c in dict.fromkeys(configs) if all(c.check(s) is None for s in shapes)]
-    return configs[:QUICK_CANDIDATES] if quick else configs
+    return grid_configs(model, batch, [layer.default_config(model, batch, w) for w in windows],
+                        lambda c: all(c.check(s) is None for s in shapes), QUICK_CANDIDATES if quick else None)
 
 
 def compile_jobs(models, batches, window, quick):
@@ -85,16 +91,43 @@ def _compile_one(job):
     return True
 
 
-def precompile_parallel(jobs, workers, arch):
-    """cute.compile is not thread-safe: fill the disk cache from worker processes first. The
+def precompile_parallel(jobs, workers, arch, compile_one=_compile_one):
+    """cute.compile is not thread-safe: fill the disk cache from worker processes first, running
+    compile_one(job) (a module-level function) for every job, and say how long it took. The
     workers compile for `arch` (passed on as CUTE_DSL_ARCH, so they need not touch the GPU); a job
     found in the disk cache costs a load."""
     from replayssm_cute.compile_cache import ENV_ARCH
 
+    t0 = time.perf_counter()
     os.environ[ENV_ARCH] = arch
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs))), mp_context=ctx) as pool:
-        list(pool.map(_compile_one, jobs))
+        list(pool.map(compile_one, jobs))
+    print(f"{len(jobs)} kernels for {arch} compiled or loaded from the compile cache in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def compile_target(prog: str, compile_only: bool):
+    """The arch to compile for, or None after saying on stderr why `prog` cannot run: no GPU to
+    time on, or --compile-only with neither a GPU nor CUTE_DSL_ARCH."""
+    if not (compile_only or torch.cuda.is_available()):
+        print(NO_GPU.format(prog=prog), file=sys.stderr)
+        return None
+    from replayssm_cute.compile_cache import target_arch
+
+    try:
+        return target_arch()
+    except RuntimeError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+
+
+def write_rows(rows, path):
+    """The CSV of every row so far (rewritten after each, so that a partial run counts)."""
+    import pandas as pd
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(path, index=False)
 
 
 def copy_bandwidth() -> float:
@@ -116,6 +149,17 @@ def copy_bandwidth() -> float:
     us_memcpy = sorted(times)[len(times) // 2]
     us_kernel = time_graph(lambda: [torch.mul(src, 1.0, out=dst) for _ in range(5)], 5, replays=9)
     return 2 * n * 4 / (min(us_memcpy, us_kernel) * 1e-6)
+
+
+def precompile_and_copy_rate(jobs, args, arch, compile_one=_compile_one):
+    """Build `jobs` (``precompile_parallel``); then, unless --compile-only (None), the measured copy
+    bandwidth, printed."""
+    precompile_parallel(jobs, args.workers, arch, compile_one)
+    if args.compile_only:
+        return None
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
+    return bw
 
 
 def best(fn_factory, configs, replays):
@@ -156,25 +200,46 @@ def measure(model, batch, L, bw, configs, replays):
     return rec
 
 
-def _parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=DEFAULT_MODELS,
-                    help=f"comma-separated model names (default {DEFAULT_MODELS}; known: {', '.join(MODELS)})")
+def make_parser(doc: str, stem: str, models: str, batches: str, quick_batches: str, quick_what: str):
+    """The arguments every sweep here takes; CSVs go to sweeps/results/<stem>_h200.csv (with
+    --quick <stem>_quick.csv); `quick_what` says what --quick cuts besides the batches. A sweep
+    adds its own arguments, then calls ``parse_args``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=models,
+                    help=f"comma-separated model names (default {models}; known: {', '.join(MODELS)})")
     ap.add_argument("--layers", default="mamba2,gdn",
                     help="keep only the models of these layer types (default mamba2,gdn)")
-    ap.add_argument("--batch", help=f"comma-separated batch sizes (default {BATCHES}; with --quick {QUICK_BATCHES})")
+    ap.add_argument("--batch", help=f"comma-separated batch sizes (default {batches}; with --quick {quick_batches})")
     ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L (default 16)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"fast GPU check: batches {QUICK_BATCHES}, the first {QUICK_CANDIDATES} candidate "
-                         "configs per kernel, fewer replays, output to sweeps/results/decode_quick.csv")
-    ap.add_argument("--out", help="CSV path (default sweeps/results/decode_h200.csv, with --quick "
-                                  "sweeps/results/decode_quick.csv)")
+                    help=f"fast GPU check: batches {quick_batches}, {quick_what}, fewer replays, output to "
+                         f"sweeps/results/{stem}_quick.csv")
+    ap.add_argument("--out", help=f"CSV path (default sweeps/results/{stem}_h200.csv, with --quick "
+                                  f"sweeps/results/{stem}_quick.csv)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="compile worker processes (default min(16, CPUs))")
     ap.add_argument("--replays", type=int, help="CUDA-graph replays per timing (default 15, with --quick 7)")
     ap.add_argument("--compile-only", action="store_true",
                     help="only build the candidate kernels into the compile cache (no GPU needed with "
                          "CUTE_DSL_ARCH set), then exit")
+    ap.set_defaults(stem=stem, default_batches=batches, quick_batches=quick_batches)
+    return ap
+
+
+def int_list(ap, flag: str, text: str):
+    """Comma-separated integers >= 1 of argument `flag`, or exit with a usage error."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if any(v < 1 for v in values):
+        ap.error(f"{flag}: values must be >= 1")
+    return values
+
+
+def parse_args(ap, argv):
+    """Parse `argv` with a ``make_parser`` parser: models (as ModelSpecs, filtered by --layers),
+    batches, window, output path and replays checked and filled in."""
     args = ap.parse_args(argv)
     try:
         args.models = [get_model(m.strip()) for m in args.models.split(",") if m.strip()]
@@ -186,51 +251,31 @@ def _parse(argv):
     args.models = [m for m in args.models if m.layer in layers]
     if not args.models:
         ap.error(f"no model of layer type {', '.join(sorted(layers))} among --models")
-    try:
-        args.batch = [int(b) for b in (args.batch or (QUICK_BATCHES if args.quick else BATCHES)).split(",")]
-    except ValueError:
-        ap.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
-    if any(b < 1 for b in args.batch):
-        ap.error("--batch: batch sizes must be >= 1")
+    args.batch = int_list(ap, "--batch", args.batch or (args.quick_batches if args.quick else args.default_batches))
     if not 2 <= args.window <= 32:
         ap.error("--window must be in 2..32 (window 1, the conventional step, is always measured)")
-    args.out = args.out or f"sweeps/results/decode_{'quick' if args.quick else 'h200'}.csv"
+    args.out = args.out or f"sweeps/results/{args.stem}_{'quick' if args.quick else 'h200'}.csv"
     args.replays = args.replays or (7 if args.quick else 15)
     return args
 
 
 def main(argv=None):
-    args = _parse(argv)
+    args = parse_args(make_parser(__doc__, "decode", DEFAULT_MODELS, BATCHES, QUICK_BATCHES,
+                                  f"the first {QUICK_CANDIDATES} candidate configs per kernel"), argv)
     models, batches, L = args.models, args.batch, args.window
-    if not (args.compile_only or torch.cuda.is_available()):
-        print(NO_GPU, file=sys.stderr)
+    arch = compile_target("bench_decode", args.compile_only)
+    if arch is None:
         return 1
-    from replayssm_cute.compile_cache import target_arch
-
-    try:
-        arch = target_arch()
-    except RuntimeError as e:  # --compile-only with no GPU and CUTE_DSL_ARCH unset
-        print(f"bench_decode: {e}", file=sys.stderr)
-        return 1
-    import pandas as pd
-
     t0 = time.perf_counter()
-    jobs = compile_jobs(models, batches, L, args.quick)
-    precompile_parallel(jobs, args.workers, arch)
-    print(f"{len(jobs)} kernels for {arch} compiled or loaded from the compile cache in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    if args.compile_only:
+    bw = precompile_and_copy_rate(compile_jobs(models, batches, L, args.quick), args, arch)
+    if bw is None:
         return 0
-
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write, 2 GiB)", flush=True)
     rows = []
     for m in models:
         for b in batches:
             rec = measure(m, b, L, bw, candidate_configs(m, b, L, args.quick), args.replays)
             rows.append(rec)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_csv(args.out, index=False)  # after every row: partial runs count
+            write_rows(rows, args.out)
             print(f"{m.name:18s} b={b:4d} conv {rec['conv_us']:8.1f}us ({rec['conventional_frac_copy']:.1%}) "
                   f"replay mean {rec['replay_mean_us']:8.1f}us ({rec['window_mean_frac_copy']:.1%}) "
                   f"stag {rec['replay_staggered_us']:8.1f}us ({rec['staggered_frac_copy']:.1%}) "

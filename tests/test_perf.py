@@ -1,36 +1,21 @@
 """perf.py and sweeps/bench_decode.py on the CPU: ideal bytes (hand-computed), the candidate launch
 configs, the pools' inputs and kernel shapes, the CLI (help, no-GPU message, compile-only)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _sweeps import TINY, assert_needs_gpu_or_arch, assert_usage_errors, load, run
 
 from replayssm_cute import kernels_host as kh
 from replayssm_cute.models import ModelSpec, get_model
 from replayssm_cute.perf import DecodePool, bench_layer, ideal_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "sweeps" / "bench_decode.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_decode")
 
 
 def _run(args, **env):
-    full = dict(os.environ, PYTHONUNBUFFERED="1")
-    full.pop("CUTE_DSL_ARCH", None)
-    full.update(env)
-    return subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=600)
+    return run("bench_decode", args, **env)
 
 
 # ------------------------------------------------------------------------------------ ideal bytes
@@ -113,10 +98,6 @@ def test_compile_jobs_cover_both_windows():
 
 # ------------------------------------------------------------------------------ pools (CPU)
 
-TINY = {"gdn": ModelSpec("tiny-gdn", "gdn", 4, 16, 32, 2, 1),
-        "mamba2": ModelSpec("tiny-mamba2", "mamba2", 4, 16, 32, 2, 1)}
-
-
 @pytest.mark.parametrize("layer", ["gdn", "mamba2"])
 def test_pool_steps_whole_windows(layer):
     """The pool's inputs pass decode()'s checks and step through the reference: a window brings
@@ -184,29 +165,17 @@ def test_help():
         assert flag in proc.stdout
 
 
-def test_no_gpu_message():
-    proc = _run(["--quick"], CUDA_VISIBLE_DEVICES="")
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    assert "bench_decode: no CUDA GPU found" in proc.stderr and "needs one" in proc.stderr
-    assert "--compile-only" in proc.stderr
-
-
-def test_compile_only_needs_an_arch_without_gpu():
-    proc = _run(["--compile-only", "--quick"], CUDA_VISIBLE_DEVICES="")
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    assert "CUTE_DSL_ARCH" in proc.stderr
+def test_no_gpu_message_and_compile_only_needs_an_arch():
+    assert_needs_gpu_or_arch("bench_decode")
 
 
 def test_bad_arguments():
-    for args, msg in ((["--models", "qwen9"], "unknown model 'qwen9'"),
-                      (["--layers", "rwkv"], "unknown layer types"),
-                      (["--layers", "gdn", "--models", "nemotron-super"], "no model of layer type gdn"),
-                      (["--batch", "1,x"], "--batch"),
-                      (["--window", "1"], "--window")):
-        proc = _run(args, CUDA_VISIBLE_DEVICES="")
-        assert proc.returncode == 2 and msg in proc.stderr, (args, proc.stderr)
+    assert_usage_errors("bench_decode", (
+        (["--models", "qwen9"], "unknown model 'qwen9'"),
+        (["--layers", "rwkv"], "unknown layer types"),
+        (["--layers", "gdn", "--models", "nemotron-super"], "no model of layer type gdn"),
+        (["--batch", "1,x"], "--batch"),
+        (["--window", "1"], "--window")))
 
 
 def test_compile_only_builds_gdn_candidates(tmp_path):

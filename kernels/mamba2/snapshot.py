@@ -104,6 +104,7 @@ class Mamba2Snapshot:
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
         if valid:
             slot64 = Int64(slot)
+            row64 = Int64(row)  # the snapshot buffer can pass 2^31 elements
             group = head // (H // G)
             p_warp = ptile * R + warp * RW
 
@@ -164,7 +165,7 @@ class Mamba2Snapshot:
                         rS[r, v] = alpha * rS[r, v] + coef * rB[v]
                         rY[r] = rY[r] + rS[r, v] * rC[v]
                     cute.autovec_copy(rS[r, None], cute.local_tile(
-                        mSnapshots[row, t, head, p_warp + r, None], (vec,), (lane,)))
+                        mSnapshots[row64, t, head, p_warp + r, None], (vec,), (lane,)))
                 tot = warp_reduce_many(rY, RW)  # lane l holds row l >> r_shift
                 y = cute.arch.shuffle_sync(tot, lr << r_shift) + D * x_t
                 if cutlass.const_expr(s.has_z):

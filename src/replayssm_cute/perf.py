@@ -1,18 +1,22 @@
 """Small performance helpers shared by the demo and the sweeps: ideal bytes, graph timing and
 decode pools for timing, for both layer types (Mamba-2 and Gated DeltaNet).
 
-``ideal_bytes`` is the traffic a decode step cannot avoid (each byte read or written once);
-dividing it by a measured time gives the achieved bandwidth. ``time_graph`` times a function by
-capturing it once in a CUDA graph and replaying the graph. ``DecodePool`` holds a pool far larger
-than L2 with realistic random inputs; ``compile_pool_kernel`` builds the kernel its steps call.
+``ideal_bytes`` is the traffic a decode step cannot avoid (each byte read or written once), and
+``verify_ideal_bytes`` that of a speculative verify + commit step over its cursor cycle
+(``cursor_cycle``); dividing it by a measured time gives the achieved bandwidth. ``time_graph``
+times a function by capturing it once in a CUDA graph and replaying the graph. ``DecodePool``
+holds a pool far larger than L2 with realistic random inputs (T tokens per row for speculative
+steps: verify + commit, or the conventional snapshot baseline); ``compile_pool_kernel`` builds
+the kernels its steps call.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
-__all__ = ["DecodePool", "bench_layer", "compile_pool_kernel", "ideal_bytes", "time_graph"]
+__all__ = ["DecodePool", "bench_layer", "compile_commit_kernel", "compile_pool_kernel", "cursor_cycle",
+           "ideal_bytes", "time_graph", "verify_ideal_bytes"]
 
 ROTATION_BYTES = 512 << 20
 
@@ -37,13 +41,24 @@ class _Layer:
         raise NotImplementedError
 
     @staticmethod
+    def _speculative(window):
+        """The kernel of a speculative step of T drafts on a cache of `window`: verify() (window
+        > 1) or the conventional snapshot baseline, snapshot_verify() (window 1), as (kernels_host
+        function of (cache, T, its arguments for the pool's inputs, batch, config) that the API
+        calls, those arguments, the kernel's check(shape, config, T), the API's default-config
+        function of (headdim, batch, window), or None where the API picks it inline), imported
+        on demand; None where the layer has no such kernel."""
+        raise NotImplementedError
+
+    @staticmethod
     def fill_ring(cache, gen):
         """Plausible records in every slot's ring (the pool's cursors may start anywhere)."""
         raise NotImplementedError
 
     @staticmethod
-    def inputs(m, batch, gen, device):
-        """decode() keyword arguments (slot_ids and config aside), ``out`` included."""
+    def inputs(m, batch, gen, device, drafts=0):
+        """decode() keyword arguments (slot_ids and config aside), ``out`` included; with
+        ``drafts`` T > 0, those of verify() and snapshot_verify(): token tensors (batch, T, ...)."""
         raise NotImplementedError
 
     @classmethod
@@ -55,19 +70,22 @@ class _Layer:
         return e, act
 
     @classmethod
-    def cache(cls, m, slots, window, device):
+    def cache(cls, m, slots, window, device, drafts=0):
+        """The pool's cache; with a ring (window > 1) it has room for `drafts` drafts."""
         import torch
 
         return cls._cache_class()(slots, m.nheads, m.headdim, m.dstate, m.ngroups, window=window,
-                                  dtype=torch.bfloat16, device=device)
+                                  max_draft=drafts if window > 1 else 0, dtype=torch.bfloat16, device=device)
 
     @classmethod
-    def kernel_shape(cls, m, window):
-        """The kernel shape decode() asks for with the pool's inputs."""
+    def kernel_shape(cls, m, window, drafts=0):
+        """The kernel shape the API asks for with the pool's inputs on ``cache(m, ..., window,
+        drafts=drafts)``."""
         import torch
 
         shape_fn, args = cls._kernel()[:2]
-        return shape_fn(m.nheads, m.headdim, m.dstate, m.ngroups, window, window, torch.bfloat16, *args)
+        capacity = window + (drafts if window > 1 else 0)
+        return shape_fn(m.nheads, m.headdim, m.dstate, m.ngroups, window, capacity, torch.bfloat16, *args)
 
     @classmethod
     def compile(cls, shape, config):
@@ -81,6 +99,30 @@ class _Layer:
     def default_config(cls, m, batch, window):
         """The launch config decode() picks when given none."""
         return cls._kernel()[4](m.headdim, batch, window)
+
+    @classmethod
+    def has_speculative_kernel(cls, window):
+        """Whether the layer has the kernel of ``_speculative(window)``."""
+        return cls._speculative(window) is not None
+
+    @classmethod
+    def speculative_kernel(cls, cache, drafts, batch, config=None):
+        """The kernel that a verify() (ring cache) or snapshot_verify() (conventional cache) of
+        T = ``drafts`` with the pool's inputs launches on ``cache`` (built, or loaded from the
+        compile cache, on a miss)."""
+        kernel_fn, args = cls._speculative(cache.window)[:2]
+        return kernel_fn(cache, drafts, *args, batch, config)
+
+    @classmethod
+    def speculative_check(cls, m, window, drafts, config):
+        """Why that kernel cannot take ``config`` at this shape, or None."""
+        return cls._speculative(window)[2](cls.kernel_shape(m, window, drafts), config, drafts)
+
+    @classmethod
+    def default_speculative_config(cls, m, batch, window):
+        """The launch config that API picks when given none, or None where it picks it inline."""
+        default = cls._speculative(window)[3]
+        return None if default is None else default(m.headdim, batch, window)
 
 
 class _Mamba2Layer(_Layer):
@@ -106,27 +148,41 @@ class _Mamba2Layer(_Layer):
         return mamba2_shape, args, compile_mamba2, Mamba2Config, default_mamba2_config
 
     @staticmethod
+    def _speculative(window):
+        args = _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, dt_softplus
+        if window > 1:
+            from .kernels.mamba2.verify import Mamba2Verify
+            from .kernels_host import default_mamba2_config, mamba2_verify_kernel
+
+            return mamba2_verify_kernel, args, Mamba2Verify.check, default_mamba2_config
+        from .kernels.mamba2.snapshot import Mamba2Snapshot
+        from .kernels_host import mamba2_snapshot_kernel
+
+        return mamba2_snapshot_kernel, args, Mamba2Snapshot.check, None
+
+    @staticmethod
     def fill_ring(cache, gen):
         cache.ring_x.normal_(generator=gen)
         cache.ring_B.normal_(generator=gen)
         cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
 
     @staticmethod
-    def inputs(m, batch, gen, device):
+    def inputs(m, batch, gen, device, drafts=0):
         """A = -U(1, 2), dt_bias = U(-4, -3), random x, dt, B, C, D."""
         import torch
 
         H, P, N, G = m.nheads, m.headdim, m.dstate, m.ngroups
         bf = torch.bfloat16
         rand, randn = _generators(gen, device)
+        lead = _token_dims(batch, drafts)
         A = -(1 + rand(H))
         dt_bias = -4 + rand(H)
         D = randn(H)
-        x = randn(batch, H, P).to(bf)
-        dt = (0.5 * randn(batch, H)).to(bf)
-        B = randn(batch, G, N).to(bf)
-        C = randn(batch, G, N).to(bf)
-        out = torch.empty(batch, H, P, dtype=bf, device=device)
+        x = randn(*lead, H, P).to(bf)
+        dt = (0.5 * randn(*lead, H)).to(bf)
+        B = randn(*lead, G, N).to(bf)
+        C = randn(*lead, G, N).to(bf)
+        out = torch.empty(*lead, H, P, dtype=bf, device=device)
         return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
 
 
@@ -154,6 +210,19 @@ class _GDNLayer(_Layer):
         return gdn_shape, args, compile_gdn, GDNConfig, default_gdn_config
 
     @staticmethod
+    def _speculative(window):
+        if window == 1:
+            return None  # no snapshot-baseline kernel for GDN
+        from .kernels.gdn.verify import GDNVerify
+        from .kernels_host import default_gdn_verify_config, gdn_verify_kernel
+
+        def default_config(headdim, batch, window):  # verify's GDN default takes no window
+            return default_gdn_verify_config(headdim, batch)
+
+        args = _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
+        return gdn_verify_kernel, args, GDNVerify.check, default_config
+
+    @staticmethod
     def _gates(head_shape, a_shape, gen, device):
         """A_log = log U(1, 16), dt_bias = U(-4, -3) of `head_shape` and raw a = N(0, 1/4) of
         `a_shape`: decays exp(g), g = -exp(A_log) softplus(a + dt_bias), mostly in (0.5, 1)."""
@@ -175,19 +244,20 @@ class _GDNLayer(_Layer):
         cache.ring_g.copy_(-A_log.exp() * F.softplus(a + dt_bias))
 
     @staticmethod
-    def inputs(m, batch, gen, device):
+    def inputs(m, batch, gen, device, drafts=0):
         """Random q, k, v, raw gates a, b; A_log, dt_bias per head (see ``_gates``)."""
         import torch
 
         HV, V, K, H = m.nheads, m.headdim, m.dstate, m.ngroups
         bf = torch.bfloat16
         _, randn = _generators(gen, device)
-        A_log, dt_bias, a = _GDNLayer._gates((HV,), (batch, HV), gen, device)
-        q = randn(batch, H, K).to(bf)
-        k = randn(batch, H, K).to(bf)
-        v = randn(batch, HV, V).to(bf)
-        b = randn(batch, HV).to(bf)
-        out = torch.empty(batch, HV, V, dtype=bf, device=device)
+        lead = _token_dims(batch, drafts)
+        A_log, dt_bias, a = _GDNLayer._gates((HV,), lead + (HV,), gen, device)
+        q = randn(*lead, H, K).to(bf)
+        k = randn(*lead, H, K).to(bf)
+        v = randn(*lead, HV, V).to(bf)
+        b = randn(*lead, HV).to(bf)
+        out = torch.empty(*lead, HV, V, dtype=bf, device=device)
         return dict(q=q, k=k, v=v, a=a.to(bf), b=b, A_log=A_log, dt_bias=dt_bias, out=out)
 
 
@@ -205,6 +275,11 @@ def bench_layer(model):
                          f"known: {', '.join(_LAYERS)}") from None
 
 
+def _token_dims(batch, drafts):
+    """Leading dims of a token tensor: (batch,) for decode, (batch, T) for speculative steps."""
+    return (batch, drafts) if drafts else (batch,)
+
+
 def _generators(gen, device):
     """torch.rand and torch.randn (fp32) drawing from `gen` on `device`."""
     import torch
@@ -213,11 +288,33 @@ def _generators(gen, device):
             lambda *shape: torch.randn(*shape, generator=gen, device=device))
 
 
-def compile_pool_kernel(model, window: int, config):
-    """Build (or load from the compile cache) the kernel a ``DecodePool(model, b, window)`` step
-    launches with ``config``; needs no GPU when ``CUTE_DSL_ARCH`` is set."""
+def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1):
+    """Build (or load from the compile cache) the kernel a ``DecodePool(model, batch, window)``
+    step launches with ``config``; with ``drafts`` T > 0, that of a ``DecodePool(model, batch,
+    window, drafts=T)`` speculative step: verify (window > 1; ``compile_commit_kernel`` builds
+    the commit after it) or the snapshot baseline (window 1). Needs no GPU when
+    ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it."""
     layer = bench_layer(model)
-    return layer.compile(layer.kernel_shape(model, window), config)
+    if not drafts:
+        return layer.compile(layer.kernel_shape(model, window), config)
+    cache = layer.cache(model, 1, window, "meta", drafts=drafts)  # dims only, nothing allocated
+    return layer.speculative_kernel(cache, drafts, batch, config)
+
+
+def compile_commit_kernel(window: int, drafts: int):
+    """Build (or load from the compile cache) the commit kernel that follows a verify of T =
+    ``drafts`` on a pool of window L (the same for every layer type and dims: it moves cursors)."""
+    from .cache import Mamba2Cache
+    from .kernels_host import commit_kernel
+
+    return commit_kernel(Mamba2Cache(1, 1, 1, 1, 1, window=window, max_draft=drafts, device="meta"), drafts)
+
+
+def _step_sizes(model):
+    """(S, e, act): fp32 state per sequence, one ring record and one token's step inputs and
+    outputs, in bytes (see ``ideal_bytes``)."""
+    e, act = bench_layer(model).record_and_act_bytes(model)
+    return model.nheads * model.headdim * model.dstate * 4, e, act
 
 
 def ideal_bytes(model, batch: int, window: int) -> Dict[str, float]:
@@ -242,8 +339,7 @@ def ideal_bytes(model, batch: int, window: int) -> Dict[str, float]:
     * ``flush``: the step at h = L-1, B*(2S + (L-1)e + act);
     * ``nonflush_mean``: mean of the L-1 other steps, B*(S + e(L-2)/2 + e + act).
     """
-    e, act = bench_layer(model).record_and_act_bytes(model)
-    S = model.nheads * model.headdim * model.dstate * 4
+    S, e, act = _step_sizes(model)
     L = window
     b = batch
     return {
@@ -251,6 +347,53 @@ def ideal_bytes(model, batch: int, window: int) -> Dict[str, float]:
         "window_mean": b * (S + S / L + e * (L - 1) / 2 + e * (L - 1) / L + act),
         "flush": b * (2 * S + (L - 1) * e + act),
         "nonflush_mean": b * (S + e * (L - 2) / 2 + e + act),
+    }
+
+
+def cursor_cycle(window: int, drafts: int, accepted: int) -> List[int]:
+    """Committed records h at the start of each verify step over one period of the cursor cycle
+    of a row that accepts ``accepted`` of ``drafts`` drafts at every step (window L, T drafts,
+    1 <= a <= T <= L): from h = 0, a step flushes when h + T > L and leaves h = a, else h + a.
+    Each period starts at h = a and ends with its one flush; the transient h = 0 of a fresh
+    slot is left out."""
+    from .reference_spec import spec_flush
+
+    if not 1 <= accepted <= drafts <= window:
+        raise ValueError(f"cursor_cycle needs 1 <= accepted <= drafts <= window, got accepted "
+                         f"{accepted}, drafts {drafts}, window {window}")
+    seen, h = [], 0
+    while h not in seen:
+        seen.append(h)
+        h = accepted if spec_flush(h, drafts, window) else h + accepted
+    return seen[seen.index(h):]
+
+
+def verify_ideal_bytes(model, batch: int, window: int, drafts: int, accepted: int) -> Dict[str, float]:
+    """Ideal bytes per speculative step of ``batch`` rows of one layer of ``model``, every row
+    verifying T = ``drafts`` drafts and accepting a = ``accepted``, with S, e and act as in
+    ``ideal_bytes`` (act per token):
+
+    * ``verify``: mean over one period of ``cursor_cycle(window, T, a)`` of a verify + commit
+      step starting at h committed records: B*(S + h*e + T*e + T*act), plus S on the flush step
+      (h + T > L): the checkpoint read once per step and written once per flush, the committed
+      records read once (the flush folds the ones the outputs read), the T draft records
+      written, the T tokens' inputs and outputs;
+    * ``conventional``: a conventional standard decode step, B*(2S + act);
+    * ``snapshot``: the conventional speculative baseline, B*((1 + T)*S + S + T*act): the state
+      read once and a snapshot written per draft, plus one state written back at the commit;
+    * ``snapshot_kernel``: what its snapshot_verify() alone moves (no commit), B*((1 + T)*S + T*act).
+    """
+    from .reference_spec import spec_flush
+
+    S, e, act = _step_sizes(model)
+    T, b = drafts, batch
+    steps = [S * (1 + spec_flush(h, T, window)) + (h + T) * e + T * act
+             for h in cursor_cycle(window, T, accepted)]
+    return {
+        "verify": b * sum(steps) / len(steps),
+        "conventional": b * (2 * S + act),
+        "snapshot": b * ((1 + T) * S + S + T * act),
+        "snapshot_kernel": b * ((1 + T) * S + T * act),
     }
 
 
@@ -297,21 +440,24 @@ class DecodePool:
     for timing: the slots are split into sets of `batch` rows whose states total >= 512 MiB (far
     above the 60 MB L2), so stepping through the sets streams every checkpoint from HBM; fixed
     random inputs with realistic decays, rings filled with plausible records. With `stagger`,
-    row r of every set starts at ring position r mod L. `device` and `rotation_bytes` are for
-    tests (a CPU pool steps through the float64 reference)."""
+    row r of every set starts at ring position r mod L. With `drafts` T > 0 the inputs are T
+    tokens per row and the rings have room for T drafts: ``verify_fn`` steps verify + commit, or
+    with window 1 ``snapshot_fn`` the conventional snapshot baseline. `device` and
+    `rotation_bytes` are for tests (a CPU pool steps through the float64 reference)."""
 
-    def __init__(self, model, batch, window, stagger=False, seed=0, *, device="cuda",
+    def __init__(self, model, batch, window, stagger=False, seed=0, *, drafts=0, device="cuda",
                  rotation_bytes=ROTATION_BYTES):
         import torch
 
         layer = bench_layer(model)
-        self.model, self.batch, self.window = model, batch, window
+        self.model, self.batch, self.window, self.drafts = model, batch, window, drafts
+        self.rotation_bytes = rotation_bytes
         self.state_bytes = model.nheads * model.headdim * model.dstate * 4
         self.nsets = max(2, math.ceil(rotation_bytes / (batch * self.state_bytes)))
         slots = self.nsets * batch
         dev = torch.device(device)
         gen = torch.Generator(device=dev).manual_seed(seed)
-        self.cache = layer.cache(model, slots, window, dev)
+        self.cache = layer.cache(model, slots, window, dev, drafts)
         self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
         if window > 1:
             layer.fill_ring(self.cache, gen)
@@ -320,7 +466,7 @@ class DecodePool:
                 self.cache.cursor.copy_((r % window).int())
         self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
                      for i in range(self.nsets)]
-        self.inputs = layer.inputs(model, batch, gen, dev)  # decode() keyword arguments
+        self.inputs = layer.inputs(model, batch, gen, dev, drafts)  # the API's keyword arguments
         self.out = self.inputs["out"]
 
     def step(self, slot_ids, config=None):
@@ -340,4 +486,43 @@ class DecodePool:
             self.cache.cursor.fill_(self.window - 1)
             for ids in self.sets:
                 self.step(ids, config)
+        return fn, self.nsets
+
+    def verify_fn(self, accepted, steps, config=None):
+        """(fn, steps * nsets): fn runs `steps` speculative steps on every slot set, each a verify()
+        of the pool's T drafts and a commit() of `accepted` of them in every row. The cursors
+        follow ``cursor_cycle``: start them on it and give whole periods to come back."""
+        import torch
+
+        from .api import commit, verify
+
+        num_accepted = torch.full((self.batch,), accepted, dtype=torch.int32, device=self.cache.device)
+
+        def fn():
+            for _ in range(steps):
+                for ids in self.sets:
+                    verify(self.cache, slot_ids=ids, config=config, **self.inputs)
+                    commit(self.cache, ids, num_accepted)
+        return fn, steps * self.nsets
+
+    def snapshot_fn(self, config=None):
+        """(fn, nsets): fn runs the conventional speculative baseline on every slot set of a
+        conventional pool (window 1) with T drafts: a snapshot_verify(), the state read once and
+        a snapshot written per draft, into snapshot buffers that rotate over >= rotation_bytes
+        so that the writes reach HBM (kept in ``snapshots``). The commit (a copy or a pointer
+        switch) is not run."""
+        import torch
+
+        from .api import snapshot_verify
+
+        shape = (self.batch, self.drafts) + tuple(self.cache.checkpoint.shape[1:])
+        count = min(self.nsets, math.ceil(self.rotation_bytes / (math.prod(shape) * 4)))
+        self.snapshots = [torch.empty(shape, dtype=torch.float32, device=self.cache.device)
+                          for _ in range(count)]
+        buffers = self.snapshots
+
+        def fn():
+            for i, ids in enumerate(self.sets):
+                snapshot_verify(self.cache, slot_ids=ids, snapshots=buffers[i % count], config=config,
+                                **self.inputs)
         return fn, self.nsets
