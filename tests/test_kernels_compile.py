@@ -39,7 +39,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "  mamba2_replay_L16_bf16_rows64_warps4             2.7 s  -> DIR/mamba2_...ptx"
 _LABEL = re.compile(r"^\s+((?:mamba2|gdn)_\S+)\s+([0-9.]+) s(?:\s+-> (\S+))?\s*$")
 _HEADER = re.compile(r"^precompile (\S+) for (\S+): (\d+) kernels$")
-_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SPILL = re.compile(r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads")
 
 
 def _env(cache_dir: Path) -> dict:
@@ -89,21 +89,24 @@ def _precompile(model, arch, cache_dir, ptx_dir=None):
 
 
 def _parse(log: str):
-    """(header match, [(label, seconds, ptx path, [spill tuples of the compiles before it])])."""
-    header, kernels, pending = None, [], []
-    for line in log.splitlines():
+    """(header match, [(label, seconds, ptx path, [spill tuples of the compiles before it])]).
+
+    A spill report may wrap over two lines (ptxas wraps its longer "register spills" remark), so
+    reports are matched on the whole log and given to the first label line after them."""
+    header, kernels = None, []
+    reports = [(m.start(), tuple(int(v) for v in m.groups())) for m in _SPILL.finditer(log)]
+    pos = 0
+    for line in log.splitlines(keepends=True):
+        start, pos = pos, pos + len(line)
         m = _HEADER.match(line.strip())
         if m:
             header = m
             continue
-        m = _SPILL.search(line)
+        m = _LABEL.match(line.rstrip("\n"))
         if m:
-            pending.append(tuple(int(v) for v in m.groups()))
-            continue
-        m = _LABEL.match(line)
-        if m:
+            done = sum(len(k[3]) for k in kernels)
+            pending = [r for at, r in reports[done:] if at < start]
             kernels.append((m.group(1), float(m.group(2)), m.group(3), pending))
-            pending = []
     return header, kernels
 
 
@@ -225,3 +228,183 @@ def test_second_precompile_is_a_cache_hit(builds, model):
     miss_s = sum(k[1] for k in build.kernels)
     hit_s = sum(k[1] for k in hits)
     assert hit_s < 0.5 * miss_s, (hit_s, miss_s)
+
+
+# ----------------------------------------------------------------------------- speculative kernels
+#
+# The verify kernels (and commit) that `precompile --drafts` builds, at window 16: nemotron-super
+# with T = 2, 4, 8 (a cache of max_draft 8: 24 ring records) and nemotron-nano-4b with T = 4
+# (max_draft 4, headdim 80), each with the small- and large-batch launch configs verify picks,
+# plus on sm_90a the decode kernels on the super draft cache (capacity 24 > window); sm_103a (whose
+# PTX is sm_100a's but for the .target line) takes the large-batch configs only, to save CI time.
+# One child process per arch compiles each kernel once, straight to PTX (precompile --dump-ptx
+# would compile everything twice and rebuild the decode kernels checked above), in parallel;
+# the kernel list is precompile.draft_variants, and precompile's own --drafts runs are in
+# test_precompile_cli.py. T = 16 at window 16 spills registers today and is left out
+# (test_verify_draft_range below documents the valid range).
+
+DRAFT_CASES = {"nemotron-super": (2, 4, 8), "nemotron-nano-4b": (4,)}
+DRAFT_DECODE = ("nemotron-super",)  # also the decode kernels on its draft cache (sm_90a)
+
+_DRAFT_CHILD = """
+import os, sys, time
+from pathlib import Path
+arch, ptx_root, cases, decode_models, large_only = sys.argv[1], Path(sys.argv[2]), *map(eval, sys.argv[3:6])
+os.environ["CUTE_DSL_ARCH"] = arch
+sys.path.insert(0, {tests!r})
+from test_kernels_compile import _draft_kernels
+from replayssm_cute import precompile
+for name in cases:
+    todo = _draft_kernels(name, cases[name], name in decode_models, large_only)
+    print(f"precompile {{name}} for {{arch}}: {{len(todo)}} kernels", flush=True)
+    (ptx_root / name).mkdir(parents=True)
+    for v in todo:
+        path = ptx_root / name / f"{{v.label}}.{{arch}}.ptx"
+        t0 = time.perf_counter()
+        precompile.dump_draft_ptx("mamba2", v, path)
+        print(f"  {{v.label}} {{time.perf_counter() - t0:6.1f}} s  -> {{path}}", flush=True)
+""".format(tests=str(Path(__file__).resolve().parent))
+
+
+def _draft_kernels(model, drafts, with_decode, large_only):
+    """precompile.draft_variants at WINDOW, bf16: verify and commit, the decode kernels on the draft
+    cache if `with_decode`, only the large-batch launch config if `large_only`."""
+    from replayssm_cute.kernels_host import default_mamba2_config
+    from replayssm_cute.precompile import draft_variants
+
+    m = get_model(model)
+    large = default_mamba2_config(m.headdim, 1024, WINDOW)
+    return [v for v in draft_variants(m, WINDOW, drafts, ["bf16"])
+            if (v.kind != "decode" or with_decode) and (v.config in (None, large) or not large_only)]
+
+
+class DraftBuild:
+    """One child process per arch: {model: (header, kernels)} parsed from its log."""
+
+    def __init__(self, arch, tmp):
+        self.arch = arch
+        self.ptx_dir = tmp / "ptx"
+        self.decode_models = DRAFT_DECODE if arch == "sm_90a" else ()
+        self.large_only = arch == "sm_103a"
+        cmd = [sys.executable, "-c", _DRAFT_CHILD, arch, str(self.ptx_dir), repr(DRAFT_CASES),
+               repr(self.decode_models), repr(self.large_only)]
+        t0 = time.perf_counter()
+        self.proc = subprocess.run(cmd, env=_env(tmp / "cache"), cwd=tmp, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, timeout=900)
+        self.seconds = time.perf_counter() - t0
+        self.log = _ANSI.sub("", self.proc.stdout)
+        self.models = {}
+        for part in re.split(r"(?m)^(?=precompile )", self.log):
+            header, kernels = _parse(part)
+            if header is not None:
+                self.models[header.group(1)] = (header, kernels)
+
+    def tail(self, n=6000):
+        return self.log[-n:]
+
+    def kernels(self):
+        assert self.proc.returncode == 0, self.tail()
+        assert sorted(self.models) == sorted(DRAFT_CASES), self.tail()
+        return [(model, k) for model in DRAFT_CASES for k in self.models[model][1]]
+
+
+@pytest.fixture(scope="module")
+def draft_builds(request, tmp_path_factory):
+    """arch -> DraftBuild for every arch the selected tests ask for, built in parallel (one child
+    per core): each child is single-threaded, and CI has two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    archs = sorted({item.callspec.params["draft_build"] for item in request.session.items
+                    if hasattr(item, "callspec") and "draft_build" in item.callspec.params}) or list(ARCHS)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(archs), os.cpu_count() or 1))) as pool:
+        futures = {a: pool.submit(DraftBuild, a, tmp_path_factory.mktemp(f"drafts-{a}")) for a in archs}
+        return {a: f.result() for a, f in futures.items()}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def draft_build(request, draft_builds):
+    return draft_builds[request.param]
+
+
+def test_draft_kernels_are_built_with_one_ptx_file(draft_build):
+    kernels = draft_build.kernels()
+    for model in DRAFT_CASES:
+        header, built = draft_build.models[model]
+        assert header.group(2) == draft_build.arch and int(header.group(3)) == len(built)
+        labels = [k[0] for k in built]
+        want = _draft_kernels(model, DRAFT_CASES[model], model in draft_build.decode_models,
+                              draft_build.large_only)
+        assert labels == [v.label for v in want], draft_build.tail()
+        configs = 1 if draft_build.large_only else 2
+        assert sum("_verify_" in lb for lb in labels) == configs * len(DRAFT_CASES[model])
+        assert sum("_commit_" in lb for lb in labels) == len(DRAFT_CASES[model])
+        for label, _, path, _ in built:
+            path = Path(path)
+            assert path == draft_build.ptx_dir / model / f"{label}.{draft_build.arch}.ptx"
+            assert path.is_file() and path.stat().st_size > 0
+    assert len(list(draft_build.ptx_dir.rglob("*.ptx"))) == len(kernels)
+
+
+def test_draft_ptx_targets_the_arch(draft_build):
+    for _, (label, _, path, _) in draft_build.kernels():
+        targets = re.findall(r"^\s*\.target\s+(\S+)", Path(path).read_text(), flags=re.M)
+        assert targets and all(t.rstrip(",") == draft_build.arch for t in targets), (label, targets)
+
+
+def test_verify_ptx_streams_the_checkpoint_with_tma(draft_build):
+    """Verify (and decode on the draft cache) read the checkpoint with TMA; commit touches only the
+    per-slot indices, so it has no TMA."""
+    kinds = set()
+    for _, (label, _, path, _) in draft_build.kernels():
+        tma = "cp.async.bulk.tensor" in Path(path).read_text()
+        kind = "commit" if "_commit_" in label else "verify" if "_verify_" in label else "decode"
+        kinds.add(kind)
+        assert tma == (kind != "commit"), (label, tma)
+    assert kinds == ({"decode", "verify", "commit"} if draft_build.decode_models else {"verify", "commit"})
+
+
+def test_draft_ptx_declares_no_local_memory(draft_build):
+    for _, (label, _, path, _) in draft_build.kernels():
+        hits = [ln.strip() for ln in Path(path).read_text().splitlines() if re.search(r"\.local\b", ln)]
+        assert not hits, (label, hits[:5])
+
+
+def test_draft_ptxas_reports_no_spills(draft_build):
+    for model, (label, _, _, reports) in draft_build.kernels():
+        assert len(reports) == 1, f"{model} {label}: {len(reports)} ptxas reports:\n{draft_build.tail()}"
+        stack, stores, loads = reports[0]
+        assert (stack, stores, loads) == (0, 0, 0), (
+            f"{model} {label}: {stack} bytes stack frame, {stores} bytes spill stores, {loads} bytes spill loads")
+
+
+def test_verify_draft_range():
+    """Which draft counts the verify kernel takes (no compile): 1 <= T <= min(16, max_draft, window),
+    window >= 2 and window + max_draft <= 32; precompile --drafts refuses the rest before building.
+    (Within the range, T = 16 at window 16 compiles but spills registers today.)"""
+    import torch
+
+    from replayssm_cute.kernels.mamba2.verify import Mamba2Verify
+    from replayssm_cute.kernels_host import default_mamba2_config, mamba2_shape
+    from replayssm_cute.precompile import _option_error, draft_variants
+
+    m = get_model("nemotron-super")
+
+    def reason(window, max_draft, T, batch=1024):
+        shape = mamba2_shape(m.nheads, m.headdim, m.dstate, m.ngroups, window, window + max_draft,
+                             torch.bfloat16, torch.bfloat16, True, False, True, True, -1)
+        return Mamba2Verify.check(shape, default_mamba2_config(m.headdim, batch, window), T)
+
+    for window, max_draft in ((16, 16), (16, 8), (4, 8), (24, 8), (2, 1)):
+        for batch in (1, 1024):
+            ok = [T for T in range(0, 18) if reason(window, max_draft, T, batch) is None]
+            assert ok == list(range(1, min(16, max_draft, window) + 1)), (window, max_draft, batch)
+    assert "num_drafts" in reason(16, 8, 9) and "num_drafts" in reason(4, 8, 5)
+    assert "ring capacity" in reason(24, 9, 8)  # 33 records: one lane per record
+    assert reason(1, 0, 1) is not None
+    for window, drafts in ((16, [16]), (16, [2, 4, 8]), (4, [4]), (24, [8])):
+        assert _option_error(m, False, window, drafts) is None
+    for window, drafts, what in ((16, [17], "outside 1..16"), (16, [0], "outside 1..16"),
+                                 (4, [8], "above the window"), (24, [1, 9], "above 32")):
+        assert what in _option_error(m, False, window, drafts)
+        with pytest.raises(ValueError, match="--drafts"):
+            draft_variants(m, window, drafts, ["bf16"])

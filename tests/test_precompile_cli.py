@@ -119,26 +119,92 @@ def test_cli_exit_status_and_stderr():
 
 def test_gdn_model_precompiles(tmp_path):
     """A GDN model builds its kernels (conventional and ReplaySSM, small- and large-batch
-    configs) into the disk cache with the options it was given, and leaves no PTX behind."""
+    configs, and with --drafts the decode, verify and commit kernels of a draft cache) into the
+    disk cache with the options it was given, and leaves no PTX behind; decode, verify and commit
+    then find every kernel they ask for on disk."""
+    _check_precompile_with_drafts(tmp_path, "qwen3-next-80b", "sm_100a", 8, "2", "fp16", dump=True)
+
+
+def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, dump):
     env = _env()
     env["REPLAYSSM_CUTE_CACHE_DIR"] = str(tmp_path / "cache")
     env.pop("REPLAYSSM_CUTE_DISK_CACHE", None)
     env.pop("CUTE_DSL_ARCH", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "replayssm_cute.precompile", "--model", "qwen3-next-80b",
-         "--arch", "sm_100a", "--window", "8", "--dtypes", "fp16", "--dump-ptx", str(tmp_path / "ptx")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
+    cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", name, "--arch", arch,
+           "--window", str(window), "--dtypes", dtype, "--drafts", drafts]
+    if dump:
+        cmd += ["--dump-ptx", str(tmp_path / "ptx")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    labels = [lb for lb, _, _ in precompile.gdn_variants(get_model("qwen3-next-80b"), 8, ["fp16"])]
-    assert f"precompile qwen3-next-80b for sm_100a: {len(labels)} kernels" in proc.stdout, log
+    m = get_model(name)
+    T = [int(t) for t in drafts.split(",")]
+    decode = [lb for lb, _, _ in precompile.variants(m, window, [dtype])]
+    spec = precompile.draft_variants(m, window, T, [dtype])
+    labels = decode + [v.label for v in spec]
+    assert f"precompile {name} for {arch}: {len(labels)} kernels" in proc.stdout, log
     printed = [ln.split()[0] for ln in proc.stdout.splitlines()[1:] if ln.strip()]
     assert printed == labels, log
-    assert sorted(p.name for p in (tmp_path / "ptx").iterdir()) == sorted(f"{lb}.sm_100a.ptx" for lb in labels)
-    assert len(list((tmp_path / "cache").glob("gdn_decode-*.o"))) == len(labels)
+    if dump:
+        assert sorted(p.name for p in (tmp_path / "ptx").iterdir()) == sorted(f"{lb}.{arch}.ptx" for lb in labels)
+    kinds = [v.kind for v in spec]
+    assert kinds.count("commit") == len(set(T)) and kinds.count("verify") >= len(set(T))
+    cache = tmp_path / "cache"
+    assert len(list(cache.glob(f"{m.layer}_decode-*.o"))) == len(decode) + kinds.count("decode")
+    assert len(list(cache.glob(f"{m.layer}_verify-*.o"))) == kinds.count("verify")
+    assert len(list(cache.glob("commit-*.o"))) == kinds.count("commit")
     # --keep-ptx's own copy goes to a scratch folder, not the working directory.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ptx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "ptx"] if dump else ["cache"])
+    # A server with a draft cache of this shape starts warm: the lookups decode, verify and
+    # commit make (engines' usual arguments, small and large batch) all load from disk.
+    warm = subprocess.run([sys.executable, "-c", _WARM, arch, name, str(window), drafts, _DTYPE_NAMES[dtype]],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0, (warm.stdout + warm.stderr)[-6000:]
+    assert warm.stdout.split() == ["warm", str(2 + 2 * len(set(T)) + len(set(T)))], warm.stdout
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# The kernel lookups of decode / verify / commit on a draft cache, with every compile refused.
+_WARM = """
+import os, sys
+os.environ["CUTE_DSL_ARCH"] = sys.argv[1]
+import torch
+import replayssm_cute as rs
+from replayssm_cute import kernels_host as kh
+from replayssm_cute.kernels import commit as kc
+from replayssm_cute.kernels.gdn import decode as gd, verify as gv
+from replayssm_cute.kernels.mamba2 import decode as md, verify as mv
+from replayssm_cute.models import get_model
+
+def refuse(*args, **kwargs):
+    raise AssertionError("compiled: not in the disk cache")
+
+for mod, fn in ((kc, "compile_commit"), (gd, "compile_decode"), (gv, "compile_verify"),
+                (md, "compile_decode"), (mv, "compile_verify")):
+    setattr(mod, fn, refuse)
+m, window = get_model(sys.argv[2]), int(sys.argv[3])
+drafts, dtype = sorted({int(t) for t in sys.argv[4].split(",")}), getattr(torch, sys.argv[5])
+f32, n = torch.float32, 0
+if m.layer == "gdn":
+    cache = rs.GDNCache(2, m.nheads, m.headdim, m.dstate, m.ngroups, window=window, max_draft=max(drafts), dtype=dtype)
+    decode = lambda batch: kh.gdn_decode_kernel(cache, dtype, f32, f32, None, batch)
+    verify = lambda T, batch: kh.gdn_verify_kernel(cache, T, dtype, f32, f32, None, batch)
+else:
+    cache = rs.Mamba2Cache(2, m.nheads, m.headdim, m.dstate, m.ngroups, window=window, max_draft=max(drafts), dtype=dtype)
+    decode = lambda batch: kh.mamba2_decode_kernel(cache, dtype, True, False, True, True, batch)
+    verify = lambda T, batch: kh.mamba2_verify_kernel(cache, T, dtype, True, False, True, True, batch)
+for batch in (1, 1024):
+    decode(batch)
+    n += 1
+    for T in drafts:
+        verify(T, batch)
+        n += 1
+for T in drafts:
+    kh.commit_kernel(cache, T)
+    n += 1
+print("warm", n)
+"""
 
 
 @pytest.mark.parametrize("name", GDN_MODELS)
@@ -217,3 +283,103 @@ def test_shard_default_is_identity():
 def test_shard_rejects_uneven_tp(model, tp):
     with pytest.raises(ValueError, match=f"tp={tp}"):
         get_model(model).shard(tp)
+
+
+# ----------------------------------------------------------------------------- --drafts
+
+
+@pytest.mark.parametrize("drafts,what", [
+    ("x", "'x' is not a draft count"),
+    ("2,four", "'four' is not a draft count"),
+    ("2.5", "'2.5' is not a draft count"),
+    (",", "at least one draft count"),
+    ("", "at least one draft count"),
+    ("0", "draft count 0 is outside 1..16"),
+    ("2,17", "draft count 17 is outside 1..16"),
+    ("-1", "draft count -1 is outside 1..16"),
+])
+def test_drafts_must_be_draft_counts(capsys, drafts, what):
+    err = _cli_error(capsys, ["--model", "nemotron-super", "--drafts", drafts, "--arch", "sm_90a"])
+    assert "--drafts" in err and what in err, err
+
+
+def test_drafts_must_fit_the_window(capsys):
+    err = _cli_error(capsys, ["--model", "nemotron-super", "--window", "4", "--drafts", "2,8"])
+    assert "--drafts" in err and "draft count 8 is above the window 4" in err
+    err = _cli_error(capsys, ["--model", "qwen3.5-4b", "--window", "24", "--drafts", "4,16"])
+    assert "--drafts" in err and "24 + max draft count 16 = 40" in err and "above 32" in err
+
+
+def test_drafts_errors_come_before_the_arch_is_set(capsys):
+    before = os.environ.get("CUTE_DSL_ARCH")
+    _cli_error(capsys, ["--model", "nemotron-super", "--drafts", "0", "--arch", "sm_100a"])
+    assert os.environ.get("CUTE_DSL_ARCH") == before
+
+
+def test_parse_drafts_sorts_and_dedups():
+    assert precompile.parse_drafts("8,2,4,2") == ([2, 4, 8], None)
+    assert precompile.parse_drafts(" 4 ") == ([4], None)
+    assert precompile.parse_drafts("2,,4") == ([2, 4], None)
+
+
+def test_mamba2_precompiles_with_drafts(tmp_path):
+    """Mamba-2 --drafts end to end (small window to keep it fast): decode kernels, then decode on
+    the draft cache, verify per (T, launch config) and commit per T; decode, verify and commit then
+    find every kernel they ask for on disk. (The GDN run above covers --dump-ptx through main(),
+    test_kernels_compile.py the Mamba-2 verify PTX.)"""
+    _check_precompile_with_drafts(tmp_path, "nemotron-super", "sm_90a", 4, "2,1", "bf16", dump=False)
+
+
+@pytest.mark.parametrize("name,window,drafts", [
+    ("nemotron-super", 16, [8, 2, 4]), ("nemotron-nano-4b", 16, [4]), ("nemotron-h-8b", 8, [1, 8]),
+])
+@pytest.mark.parametrize("with_z", [False, True])
+def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, with_z):
+    """The draft cache (max_draft = max T) shape as decode / verify build it for a Mamba2Cache with
+    the engines' usual arguments, decode's default launch configs for small and large batches
+    (verify uses the same), the commit shape per T; one label each."""
+    import torch
+
+    from replayssm_cute.kernels.commit import CommitShape
+    from replayssm_cute.kernels_host import default_mamba2_config, mamba2_shape
+
+    m = get_model(name)
+    got = precompile.draft_variants(m, window, drafts, ["bf16", "fp16"], with_z=with_z)
+    Ts, D = sorted(drafts), max(drafts)
+    want = []
+    for d, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        shape = mamba2_shape(m.nheads, m.headdim, m.dstate, m.ngroups, window, window + D, dtype, dtype,
+                             True, with_z, True, True, -1)
+        cfgs = sorted({default_mamba2_config(m.headdim, b, window) for b in (1, 16, 17, 4096)},
+                      key=lambda c: c.key())
+        cache = f"L{window}_maxdraft{D}"
+        want += [(f"mamba2_replay_{cache}_{d}_{precompile.config_label(c)}", "decode", shape, c, 0) for c in cfgs]
+        want += [(f"mamba2_verify_{cache}_T{T}_{d}_{precompile.config_label(c)}", "verify", shape, c, T)
+                 for T in Ts for c in cfgs]
+    want += [(f"mamba2_commit_{cache}_T{T}", "commit", CommitShape(window, window + D, T, -1), None, T) for T in Ts]
+    assert [tuple(v) for v in got] == want
+    assert len({v.label for v in got}) == len(got)
+
+
+@pytest.mark.parametrize("name", GDN_MODELS)
+def test_gdn_draft_variants_match_what_verify_asks_for(name):
+    """GDN: decode's default configs on the draft cache, verify's own default config (one for every
+    batch today), the commit shape per T."""
+    import torch
+
+    from replayssm_cute.kernels.commit import CommitShape
+    from replayssm_cute.kernels_host import default_gdn_config, default_gdn_verify_config, gdn_shape
+
+    m = get_model(name)
+    got = precompile.draft_variants(m, 16, [4, 2], ["bf16"])
+    shape = gdn_shape(m.nheads, m.headdim, m.dstate, m.ngroups, 16, 20, torch.bfloat16, torch.bfloat16,
+                      torch.float32, torch.float32, None, False, -1)
+    dec = sorted({default_gdn_config(m.headdim, b, 16, shape) for b in (1, 4096)}, key=lambda c: c.key())
+    ver = sorted({default_gdn_verify_config(m.headdim, b) for b in (1, 4096)}, key=lambda c: c.key())
+    want = [(f"gdn_replay_L16_maxdraft4_bf16_{precompile.config_label(c)}", "decode", shape, c, 0) for c in dec]
+    want += [(f"gdn_verify_L16_maxdraft4_T{T}_bf16_{precompile.config_label(c)}", "verify", shape, c, T)
+             for T in (2, 4) for c in ver]
+    want += [(f"gdn_commit_L16_maxdraft4_T{T}", "commit", CommitShape(16, 20, T, -1), None, T) for T in (2, 4)]
+    assert [tuple(v) for v in got] == want
+    with pytest.raises(ValueError, match="--with-z"):
+        precompile.draft_variants(m, 16, [2], ["bf16"], with_z=True)

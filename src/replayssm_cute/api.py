@@ -225,9 +225,9 @@ def verify(cache, *args, **kwargs):
     step: between the two, a slot's cursor and origin are internal.
     """
     if isinstance(cache, Mamba2Cache):
-        return _verify_mamba2(cache, *args, **kwargs)
+        return _named("verify", _verify_mamba2, cache, *args, **kwargs)
     if isinstance(cache, GDNCache):
-        return _verify_gdn(cache, *args, **kwargs)
+        return _named("verify", _verify_gdn, cache, *args, **kwargs)
     raise TypeError(f"verify: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
 
 
@@ -241,23 +241,32 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("x", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
     device = cache.checkpoint.device
-    cache.pending_drafts = T  # what the next commit applies
-    if b == 0:
-        return out
-    if device.type == "cpu":
+    if b > 0 and device.type == "cpu":
         from .reference_spec import mamba2_verify_cache_
 
-        return mamba2_verify_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
-                                    dt_softplus=dt_softplus, out=out)
-    _check_device(cache, device)
+        mamba2_verify_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
+                             dt_softplus=dt_softplus, out=out)
+    elif b > 0:
+        _check_device(cache, device)
+        from .kernels_host import mamba2_verify_kernel
 
-    from .kernels_host import mamba2_verify_kernel
-
-    kernel = mamba2_verify_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
-                                  dt_softplus, b, config)
-    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
-           cache.ring_dt, cache.cursor, cache.origin)
+        kernel = mamba2_verify_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
+                                      dt_softplus, b, config)
+        kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
+               cache.ring_dt, cache.cursor, cache.origin)
+    cache.pending_drafts = T  # what the next commit applies, once the step has run
     return out
+
+
+def _named(op: str, fn, *args, **kwargs):
+    """Run fn; argument errors from the shared validators name `op` instead of decode."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("decode: "):
+            raise ValueError(f"{op}: {msg[len('decode: '):]}") from None
+        raise
 
 
 def commit(cache, slot_ids, num_accepted):
@@ -268,6 +277,10 @@ def commit(cache, slot_ids, num_accepted):
     the origin moves past the folded records. Pad rows are skipped. Values outside 1..T are
     not checked on the device (``REPLAYSSM_CUTE_DEBUG=1`` checks them on the host).
     """
+    return _named("commit", _commit, cache, slot_ids, num_accepted)
+
+
+def _commit(cache, slot_ids, num_accepted):
     if not isinstance(cache, (Mamba2Cache, GDNCache)):
         raise TypeError(f"commit: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
     T = getattr(cache, "pending_drafts", None)
@@ -286,19 +299,16 @@ def commit(cache, slot_ids, num_accepted):
         bad = [a for i, a in enumerate(num_accepted.tolist()) if i in live and not 1 <= a <= T]
         if bad:
             raise ValueError(f"commit: argument 'num_accepted': expected values in [1, {T}], got {bad[:8]}")
-    cache.pending_drafts = None
-    if b == 0:
-        return
-    if device.type == "cpu":
+    if b > 0 and device.type == "cpu":
         from .reference_spec import commit_cache_
 
         commit_cache_(cache, slot_ids, num_accepted, num_drafts=T)
-        return
-    _check_device(cache, device)
+    elif b > 0:
+        _check_device(cache, device)
+        from .kernels_host import commit_kernel
 
-    from .kernels_host import commit_kernel
-
-    commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin)
+        commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin)
+    cache.pending_drafts = None  # consumed, once the commit has run
 
 
 def _gdn_param(name: str, t, HV: int, act, device) -> torch.Tensor:
@@ -409,29 +419,35 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("v", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
     device = cache.checkpoint.device
-    cache.pending_drafts = T  # what the next commit applies
-    if bsz == 0:
-        return out
-    if device.type == "cpu":
+    if bsz > 0 and device.type == "cpu":
         from .reference_spec import gdn_verify_cache_
 
-        return gdn_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
-    _check_device(cache, device)
+        gdn_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
+    elif bsz > 0:
+        _check_device(cache, device)
+        from .kernels_host import gdn_verify_kernel
 
-    from .kernels_host import gdn_verify_kernel
-
-    kernel = gdn_verify_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
-    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
-           cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
+        kernel = gdn_verify_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
+        kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
+               cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
+    cache.pending_drafts = T  # what the next commit applies, once the step has run
     return out
 
 
-def snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
-                    dt_softplus=False, out=None, *, config=None):
-    """The conventional speculative baseline on a conventional :class:`Mamba2Cache` (window 1):
-    each row's state is read once and the state after each of its T drafts is written to
+def snapshot_verify(*args, **kwargs):
+    """The conventional speculative baseline on a conventional :class:`Mamba2Cache` (window 1)::
+
+        snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
+                        dt_softplus=False, out=None, *, config=None)  -> out (b, T, H, P)
+
+    Each row's state is read once and the state after each of its T drafts is written to
     ``snapshots[row, t]`` ((b, T, H, P, N) fp32); the cache is not written (the accepted snapshot
-    becomes the state by copy or pointer switch). Tokens as :func:`verify`; returns ``out``."""
+    becomes the state by copy or pointer switch). Tokens as :func:`verify`."""
+    return _named("snapshot_verify", _snapshot_verify, *args, **kwargs)
+
+
+def _snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
+                     dt_softplus=False, out=None, *, config=None):
     if not isinstance(cache, Mamba2Cache) or cache.window != 1:
         _fail("cache", "a conventional Mamba2Cache (window 1)", type(cache).__name__ if not isinstance(
             cache, Mamba2Cache) else f"window {cache.window}")

@@ -1,11 +1,12 @@
 """Build every kernel a model needs into the compile cache, with no GPU required.
 
     python -m replayssm_cute.precompile --model nemotron-super [--arch sm_90a|sm_100a|sm_103a]
-        [--window 16] [--dtypes bf16,fp16] [--with-z] [--dump-ptx DIR]
+        [--window 16] [--dtypes bf16,fp16] [--with-z] [--drafts 2,4,8] [--dump-ptx DIR]
 
-A server that runs this at build time starts warm: `decode` finds the kernels on disk. The
-variants are those `decode` asks for with the engines' usual arguments, for the conventional
-step (window 1) and ReplaySSM (--window), each with its small-batch and large-batch launch config:
+A server that runs this at build time starts warm: `decode` (and with --drafts, `verify` and
+`commit`) finds its kernels on disk. The variants are those `decode` asks for with the engines'
+usual arguments, for the conventional step (window 1) and ReplaySSM (--window), each with its
+small-batch and large-batch launch config:
 
 * Mamba-2 models: D and dt_bias given, dt_softplus on, no z (--with-z adds the gated variants),
   dt in the activation dtype, pad sentinel -1.
@@ -13,6 +14,13 @@ step (window 1) and ReplaySSM (--window), each with its small-batch and large-ba
   dtype, A_log and dt_bias fp32, the default q scale K ** -0.5, no v / beta records, pad
   sentinel -1. --with-z is an error for them: the GDN output gate (RMSNorm, silu(z)) is applied
   outside the kernel, so there is no gated variant.
+
+--drafts T1,T2,... (default: none) adds what speculative decoding needs on a cache built with
+max_draft = max(T) and the same window, for either layer type: the standard decode kernels on
+that cache (its ring is window + max_draft records, a different kernel from the window-only
+cache's), the verify kernel for each draft count T with the launch configs verify picks for small
+and large batches, and the commit kernel for each T. Each T needs 1 <= T <= min(16, window), and
+window + max(T) <= 32. --dump-ptx covers these kernels too.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _BATCHES = (1, 1024)  # one batch size for each side of the small / large launch-config split
+_MAX_DRAFTS = 16  # the verify kernels' limit (and Mamba2Cache's max_draft)
+_MAX_CAPACITY = 32  # window + max_draft: one lane per ring record
 
 
 def config_label(config) -> str:
@@ -85,13 +96,45 @@ def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
         lambda batch, L, shape: default_gdn_config(model.headdim, batch, L, shape))
 
 
-def _option_error(model, with_z: bool):
+def parse_drafts(text: str):
+    """`--drafts` text -> (sorted distinct draft counts, None) or (None, why not)."""
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
+        return None, "--drafts: give at least one draft count, e.g. --drafts 2,4,8"
+    drafts = []
+    for t in items:
+        if not t:
+            continue
+        try:
+            drafts.append(int(t))
+        except ValueError:
+            return None, f"--drafts: {t!r} is not a draft count; give integers, e.g. --drafts 2,4,8"
+    return sorted(set(drafts)), None
+
+
+def _drafts_error(model, window: int, drafts) -> Optional[str]:
+    """Why `drafts` (draft counts) cannot be built for `model` at `window`, or None."""
+    for T in drafts:
+        if not 1 <= T <= _MAX_DRAFTS:
+            return f"--drafts: draft count {T} is outside 1..{_MAX_DRAFTS}"
+        if T > window:
+            return (f"--drafts: draft count {T} is above the window {window} (a verify step of T "
+                    f"drafts needs T <= window)")
+    if window + max(drafts) > _MAX_CAPACITY:
+        return (f"--drafts: window {window} + max draft count {max(drafts)} = {window + max(drafts)} "
+                f"ring records, above {_MAX_CAPACITY} (one lane per record)")
+    return None
+
+
+def _option_error(model, with_z: bool, window: Optional[int] = None, drafts=None):
     """Why the options do not apply to `model`, or None. Needs no cutlass import."""
     if model.layer not in ("mamba2", "gdn"):
         return f"{model.name}: unknown layer type {model.layer!r}"
     if with_z and model.layer == "gdn":
         return (f"--with-z: {model.name} is a gdn model; its output gate (RMSNorm, silu(z)) is "
                 f"applied outside the kernel, so it has no z variants")
+    if drafts is not None:
+        return _drafts_error(model, 16 if window is None else window, drafts)
     return None
 
 
@@ -112,21 +155,166 @@ def compile_variant(layer: str, shape, config):
     return getattr(kernels_host, f"compile_{layer}")(shape, config)
 
 
-def dump_ptx(layer: str, shape, config, path: Path) -> None:
-    """Compile one variant once more with --keep-ptx and write its PTX to `path`."""
-    import importlib
+class DraftVariant(NamedTuple):
+    """One kernel that speculative decoding needs (``draft_variants``)."""
+
+    label: str
+    kind: str  # "decode" (on the draft cache), "verify" or "commit"
+    shape: object  # Mamba2Shape / GDNShape, or CommitShape for "commit"
+    config: object  # launch config; None for "commit"
+    num_drafts: int  # T of a verify / commit kernel; 0 for "decode"
+
+
+def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad_slot_id: int = -1):
+    """Every kernel that speculative decoding with `drafts` draft counts needs at this model shape,
+    on a cache with max_draft = max(drafts) and `window`: the decode kernels on that cache (its
+    capacity differs from the window-only cache's), one verify kernel per (dtype, T, launch config)
+    and one commit kernel per T. Launch configs: the defaults decode and verify pick for small and
+    large batches. Arguments as `mamba2_variants` / `gdn_variants` (the engines' usual ones).
+    Raises ValueError (naming --drafts) when the draft counts do not apply."""
+    import torch
+
+    drafts = sorted(set(drafts))
+    reason = _option_error(model, with_z, window, drafts)
+    if reason is not None:
+        raise ValueError(reason)
+    from . import kernels_host as kh
+    from .kernels.commit import CommitShape
+
+    layer = model.layer
+    max_draft = max(drafts)
+    capacity = window + max_draft
+    if layer == "gdn":
+        from .kernels.gdn.verify import GDNVerify as Verify
+
+        def make_shape(dtype):
+            return kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, capacity,
+                                dtype, dtype, torch.float32, torch.float32, None, False, pad_slot_id)
+
+        def decode_config(batch, shape):
+            return kh.default_gdn_config(model.headdim, batch, window, shape)
+
+        def verify_config(batch, shape):
+            return kh.default_gdn_verify_config(model.headdim, batch)
+    else:
+        from .kernels.mamba2.verify import Mamba2Verify as Verify
+
+        def make_shape(dtype):
+            return kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window,
+                                   capacity, dtype, dtype, True, with_z, True, True, pad_slot_id)
+
+        def decode_config(batch, shape):
+            return kh.default_mamba2_config(model.headdim, batch, window)
+
+        verify_config = decode_config
+
+    def configs(choose, shape):
+        return sorted({choose(b, shape) for b in _BATCHES}, key=lambda c: c.key())
+
+    cache = f"L{window}_maxdraft{max_draft}"
+    out = []
+    for dname in dtypes:
+        shape = make_shape(getattr(torch, _DTYPES[dname]))
+        for cfg in configs(decode_config, shape):
+            reason = cfg.check(shape)
+            if reason is not None:
+                raise ValueError(f"--drafts: the decode kernel on a cache of max_draft {max_draft} "
+                                 f"cannot take {cfg}: {reason}")
+            out.append(DraftVariant(f"{layer}_replay_{cache}_{dname}_{config_label(cfg)}", "decode",
+                                    shape, cfg, 0))
+        for T in drafts:
+            for cfg in configs(verify_config, shape):
+                reason = Verify.check(shape, cfg, T)
+                if reason is not None:
+                    raise ValueError(f"--drafts: the verify kernel cannot take T = {T} with {cfg}: {reason}")
+                out.append(DraftVariant(f"{layer}_verify_{cache}_T{T}_{dname}_{config_label(cfg)}",
+                                        "verify", shape, cfg, T))
+    for T in drafts:
+        out.append(DraftVariant(f"{layer}_commit_{cache}_T{T}", "commit",
+                                CommitShape(window, capacity, T, pad_slot_id), None, T))
+    return out
+
+
+def _torch_dtype(cute_dtype):
+    from .kernels_host import _CUTE_DTYPE_NAMES
+
+    return next(t for t, name in _CUTE_DTYPE_NAMES.items() if name == cute_dtype.__name__)
+
+
+def _cache_like(shape):
+    """What the kernels_host lookups read from a cache, for a Mamba2Shape, a GDNShape or a
+    CommitShape: the verify and commit kernels are built through the very calls verify / commit
+    make, so the compile-cache keys are theirs."""
+    from types import SimpleNamespace
+
+    fields = dict(window=shape.window, capacity=shape.capacity, pad_slot_id=shape.pad_slot_id)
+    if hasattr(shape, "nheads"):  # Mamba2Shape
+        fields.update(nheads=shape.nheads, headdim=shape.headdim, dstate=shape.dstate,
+                      ngroups=shape.ngroups, dtype=_torch_dtype(shape.act_dtype))
+    elif hasattr(shape, "num_v_heads"):  # GDNShape
+        fields.update(num_v_heads=shape.num_v_heads, head_v_dim=shape.head_v_dim,
+                      head_k_dim=shape.head_k_dim, num_k_heads=shape.num_k_heads,
+                      keep_v_beta=shape.keep_v_beta, dtype=_torch_dtype(shape.act_dtype))
+    return SimpleNamespace(**fields)
+
+
+def compile_draft_variant(layer: str, variant: DraftVariant):
+    """Build one of `draft_variants` into the compile cache (or load it); returns the kernel."""
+    from . import kernels_host
+
+    s = variant.shape
+    if variant.kind == "decode":
+        return compile_variant(layer, s, variant.config)
+    if variant.kind == "verify" and layer == "gdn":
+        return kernels_host.gdn_verify_kernel(
+            _cache_like(s), variant.num_drafts, _torch_dtype(s.gate_dtype), _torch_dtype(s.A_log_dtype),
+            _torch_dtype(s.dt_bias_dtype), s.scale or None, 1, variant.config)
+    if variant.kind == "verify":
+        return kernels_host.mamba2_verify_kernel(
+            _cache_like(s), variant.num_drafts, _torch_dtype(s.dt_dtype), s.has_D, s.has_z,
+            s.has_dt_bias, s.dt_softplus, 1, variant.config)
+    if variant.kind == "commit":
+        return kernels_host.commit_kernel(_cache_like(s), variant.num_drafts)
+    raise ValueError(f"unknown kernel kind {variant.kind!r}")
+
+
+def _write_ptx(build, path: Path) -> None:
+    """build(options) compiles with the given options; its PTX goes to `path`."""
     import shlex
     import tempfile
 
     from .compile_cache import compile_options
 
-    module = importlib.import_module(f"{__package__}.kernels.{layer}.decode")
     # --keep-ptx also writes a copy into the DSL's dump dir (by default the current directory);
     # a scratch folder keeps that from littering wherever precompile was started.
     with tempfile.TemporaryDirectory(prefix="replayssm_cute_ptx_") as scratch:
         options = compile_options("--keep-ptx", f"--dump-dir {shlex.quote(scratch)}")
-        fn = module.compile_decode(shape, config, options)
-        Path(path).write_text(fn.__ptx__)
+        Path(path).write_text(build(options).__ptx__)
+
+
+def dump_ptx(layer: str, shape, config, path: Path) -> None:
+    """Compile one variant once more with --keep-ptx and write its PTX to `path`."""
+    import importlib
+
+    module = importlib.import_module(f"{__package__}.kernels.{layer}.decode")
+    _write_ptx(lambda options: module.compile_decode(shape, config, options), path)
+
+
+def dump_draft_ptx(layer: str, variant: DraftVariant, path: Path) -> None:
+    """Compile one of `draft_variants` once more with --keep-ptx and write its PTX to `path`."""
+    import importlib
+
+    if variant.kind == "decode":
+        return dump_ptx(layer, variant.shape, variant.config, path)
+    if variant.kind == "verify":
+        module = importlib.import_module(f"{__package__}.kernels.{layer}.verify")
+        return _write_ptx(lambda options: module.compile_verify(
+            variant.shape, variant.config, variant.num_drafts, options), path)
+    if variant.kind == "commit":
+        from .kernels.commit import compile_commit
+
+        return _write_ptx(lambda options: compile_commit(variant.shape, options), path)
+    raise ValueError(f"unknown kernel kind {variant.kind!r}")
 
 
 def main(argv=None) -> int:
@@ -140,6 +328,9 @@ def main(argv=None) -> int:
     parser.add_argument("--with-z", action="store_true",
                         help="also the gated (z) variants (Mamba-2 only; an error for GDN models, "
                              "whose output gate is outside the kernel)")
+    parser.add_argument("--drafts", metavar="T1,T2,...",
+                        help="also the speculative kernels for these draft counts (default: none): "
+                             "decode and verify on a cache of max_draft = max(T), and commit")
     parser.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's PTX into DIR")
     args = parser.parse_args(argv)
 
@@ -158,7 +349,12 @@ def main(argv=None) -> int:
     if not 2 <= args.window <= 32:
         parser.error("--window must be in 2..32 (window 1 is the conventional kernel, always built; "
                      "the kernel keeps one record per lane)")
-    reason = _option_error(model, args.with_z)
+    drafts = None
+    if args.drafts is not None:
+        drafts, reason = parse_drafts(args.drafts)
+        if reason is not None:
+            parser.error(reason)
+    reason = _option_error(model, args.with_z, args.window, drafts)
     if reason is not None:
         parser.error(reason)
     if args.arch:
@@ -169,17 +365,27 @@ def main(argv=None) -> int:
     from .compile_cache import target_arch
 
     arch = target_arch()
-    kernel_variants = variants(model, args.window, dtypes, with_z=args.with_z)
-    print(f"precompile {model.name} for {arch}: {len(kernel_variants)} kernels")
+    layer = model.layer
+    jobs = [(label, lambda s=shape, c=cfg: compile_variant(layer, s, c),
+             lambda path, s=shape, c=cfg: dump_ptx(layer, s, c, path))
+            for label, shape, cfg in variants(model, args.window, dtypes, with_z=args.with_z)]
+    if drafts is not None:
+        try:
+            spec = draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z)
+        except ValueError as e:
+            parser.error(str(e))
+        jobs += [(v.label, lambda v=v: compile_draft_variant(layer, v),
+                  lambda path, v=v: dump_draft_ptx(layer, v, path)) for v in spec]
+    print(f"precompile {model.name} for {arch}: {len(jobs)} kernels")
     if args.dump_ptx:
         Path(args.dump_ptx).mkdir(parents=True, exist_ok=True)
-    for label, shape, cfg in kernel_variants:
+    for label, build, ptx in jobs:
         t0 = time.perf_counter()
-        compile_variant(model.layer, shape, cfg)
+        build()
         line = f"  {label:44s} {time.perf_counter() - t0:6.1f} s"
         if args.dump_ptx:
             path = Path(args.dump_ptx) / f"{label}.{arch}.ptx"
-            dump_ptx(model.layer, shape, cfg, path)
+            ptx(path)
             line += f"  -> {path}"
         print(line, flush=True)
     return 0
