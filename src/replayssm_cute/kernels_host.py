@@ -41,13 +41,42 @@ def mamba2_shape(nheads, headdim, dstate, ngroups, window, capacity, act_dtype, 
                        cute_dtype(dt_dtype), has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id)
 
 
+def _compiled(name, key, build):
+    """Compiled kernel for a tensor-free key from the memory / disk cache; `build(options)`
+    compiles it on a miss."""
+    from .compile_cache import compile_options, get_compiled
+
+    return get_compiled(name, key, lambda: build(compile_options()))
+
+
+def _cached_kernel(op, fast_key, config, make_shape, default_config, check, compile_fn):
+    """The callable memoised on `fast_key`; on a miss: the static shape, `config` or the
+    default for it, its check (errors name `op` and the argument at fault), then compile."""
+    kernel = _fast.get(fast_key)
+    if kernel is None:
+        shape = make_shape()
+        cfg = config if config is not None else default_config(shape)
+        reason = check(shape, cfg)
+        if reason is not None:
+            arg = "config" if config is not None else "cache"
+            raise ValueError(f"{op}: argument '{arg}': the GPU kernel cannot take it: {reason}")
+        kernel = _fast[fast_key] = compile_fn(shape, cfg)
+    return kernel
+
+
 def compile_mamba2(shape, config):
     """Compiled kernel for (shape, config) from the memory / disk cache, building it on a miss."""
-    from .compile_cache import compile_options, get_compiled
     from .kernels.mamba2.decode import compile_decode
 
-    return get_compiled("mamba2_decode", shape.key() + config.key(),
-                        lambda: compile_decode(shape, config, compile_options()))
+    return _compiled("mamba2_decode", shape.key() + config.key(),
+                     lambda options: compile_decode(shape, config, options))
+
+
+def _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, window=None, capacity=None):
+    return mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
+                        cache.window if window is None else window,
+                        cache.capacity if capacity is None else capacity, cache.dtype, dt_dtype, has_D,
+                        has_z, has_dt_bias, dt_softplus, cache.pad_slot_id)
 
 
 def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
@@ -55,18 +84,12 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
     fast_key = (cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
                 cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
                 cache.pad_slot_id, batch <= 16, config)
-    kernel = _fast.get(fast_key)
-    if kernel is None:
-        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
-                             cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
-                             dt_softplus, cache.pad_slot_id)
-        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch, cache.window)
-        reason = cfg.check(shape)
-        if reason is not None:
-            arg = "config" if config is not None else "cache"
-            raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
-        kernel = _fast[fast_key] = compile_mamba2(shape, cfg)
-    return kernel
+    return _cached_kernel(
+        "decode", fast_key, config,
+        lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
+        lambda shape: default_mamba2_config(cache.headdim, batch, cache.window),
+        lambda shape, cfg: cfg.check(shape),
+        lambda shape, cfg: compile_mamba2(shape, cfg))
 
 
 def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None):
@@ -102,11 +125,16 @@ def gdn_shape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity
 
 def compile_gdn(shape, config):
     """Compiled GDN kernel for (shape, config) from the memory / disk cache, building it on a miss."""
-    from .compile_cache import compile_options, get_compiled
     from .kernels.gdn.decode import compile_decode
 
-    return get_compiled("gdn_decode", shape.key() + config.key(),
-                        lambda: compile_decode(shape, config, compile_options()))
+    return _compiled("gdn_decode", shape.key() + config.key(),
+                     lambda options: compile_decode(shape, config, options))
+
+
+def _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale):
+    return gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
+                     cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
+                     dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
 
 
 def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
@@ -114,80 +142,56 @@ def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batc
     fast_key = ("gdn", cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
                 cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype,
                 scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
-    kernel = _fast.get(fast_key)
-    if kernel is None:
-        shape = gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
-                          cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
-                          dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
-        cfg = config if config is not None else default_gdn_config(cache.head_v_dim, batch, cache.window, shape)
-        reason = cfg.check(shape)
-        if reason is not None:
-            arg = "config" if config is not None else "cache"
-            raise ValueError(f"decode: argument '{arg}': the GPU kernel cannot take it: {reason}")
-        kernel = _fast[fast_key] = compile_gdn(shape, cfg)
-    return kernel
+    return _cached_kernel(
+        "decode", fast_key, config,
+        lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
+        lambda shape: default_gdn_config(cache.head_v_dim, batch, cache.window, shape),
+        lambda shape, cfg: cfg.check(shape),
+        lambda shape, cfg: compile_gdn(shape, cfg))
 
 
 def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable for one verify step of `num_drafts` drafts on a Mamba-2 `cache` (memoised)."""
+    from .kernels.mamba2.verify import Mamba2Verify, compile_verify
+
     fast_key = ("mamba2_verify", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                 cache.window, cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
                 dt_softplus, cache.pad_slot_id, batch <= 16, config)
-    kernel = _fast.get(fast_key)
-    if kernel is None:
-        from .compile_cache import compile_options, get_compiled
-        from .kernels.mamba2.verify import Mamba2Verify, compile_verify
-
-        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
-                             cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
-                             dt_softplus, cache.pad_slot_id)
-        cfg = config if config is not None else default_mamba2_config(cache.headdim, batch, cache.window)
-        reason = Mamba2Verify.check(shape, cfg, num_drafts)
-        if reason is not None:
-            arg = "config" if config is not None else "cache"
-            raise ValueError(f"verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
-        kernel = _fast[fast_key] = get_compiled(
-            "mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
-            lambda: compile_verify(shape, cfg, num_drafts, compile_options()))
-    return kernel
+    return _cached_kernel(
+        "verify", fast_key, config,
+        lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
+        lambda shape: default_mamba2_config(cache.headdim, batch, cache.window),
+        lambda shape, cfg: Mamba2Verify.check(shape, cfg, num_drafts),
+        lambda shape, cfg: _compiled("mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
+                                     lambda options: compile_verify(shape, cfg, num_drafts, options)))
 
 
 def commit_kernel(cache, num_drafts):
     """The callable of the commit step after a verify of `num_drafts` drafts (memoised)."""
+    from .kernels.commit import CommitShape, compile_commit
+
     fast_key = ("commit", cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
     kernel = _fast.get(fast_key)
     if kernel is None:
-        from .compile_cache import compile_options, get_compiled
-        from .kernels.commit import CommitShape, compile_commit
-
         shape = CommitShape(cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
-        kernel = _fast[fast_key] = get_compiled("commit", shape.key(),
-                                                lambda: compile_commit(shape, compile_options()))
+        kernel = _fast[fast_key] = _compiled("commit", shape.key(), lambda options: compile_commit(shape, options))
     return kernel
 
 
 def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
     """The callable for one verify step of `num_drafts` drafts on a GDN `cache` (memoised)."""
+    from .kernels.gdn.verify import GDNVerify, compile_verify
+
     fast_key = ("gdn_verify", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
                 cache.num_k_heads, cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
                 dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
-    kernel = _fast.get(fast_key)
-    if kernel is None:
-        from .compile_cache import compile_options, get_compiled
-        from .kernels.gdn.verify import GDNVerify, compile_verify
-
-        shape = gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
-                          cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
-                          dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
-        cfg = config if config is not None else default_gdn_verify_config(cache.head_v_dim, batch)
-        reason = GDNVerify.check(shape, cfg, num_drafts)
-        if reason is not None:
-            arg = "config" if config is not None else "cache"
-            raise ValueError(f"verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
-        kernel = _fast[fast_key] = get_compiled(
-            "gdn_verify", shape.key() + cfg.key() + (num_drafts,),
-            lambda: compile_verify(shape, cfg, num_drafts, compile_options()))
-    return kernel
+    return _cached_kernel(
+        "verify", fast_key, config,
+        lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
+        lambda shape: default_gdn_verify_config(cache.head_v_dim, batch),
+        lambda shape, cfg: GDNVerify.check(shape, cfg, num_drafts),
+        lambda shape, cfg: _compiled("gdn_verify", shape.key() + cfg.key() + (num_drafts,),
+                                     lambda options: compile_verify(shape, cfg, num_drafts, options)))
 
 
 def default_gdn_verify_config(head_v_dim: int, batch: int):
@@ -201,25 +205,17 @@ def default_gdn_verify_config(head_v_dim: int, batch: int):
 def mamba2_snapshot_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable of the conventional speculative baseline (state snapshot per draft) on a
     conventional Mamba-2 `cache` (memoised)."""
+    from .kernels.mamba2.decode import Mamba2Config
+    from .kernels.mamba2.snapshot import Mamba2Snapshot, compile_snapshot
+
     fast_key = ("mamba2_snapshot", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                 cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, cache.pad_slot_id,
                 batch <= 16, config)
-    kernel = _fast.get(fast_key)
-    if kernel is None:
-        from .compile_cache import compile_options, get_compiled
-        from .kernels.mamba2.decode import Mamba2Config
-        from .kernels.mamba2.snapshot import Mamba2Snapshot, compile_snapshot
-
-        shape = mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, 1, 1, cache.dtype,
-                             dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, cache.pad_slot_id)
-        cfg = config
-        if cfg is None:  # at most 8 rows per warp: a warp keeps its rows in registers
-            cfg = Mamba2Config(16, 4) if batch <= 16 or cache.headdim % 32 else Mamba2Config(32, 4)
-        reason = Mamba2Snapshot.check(shape, cfg, num_drafts)
-        if reason is not None:
-            arg = "config" if config is not None else "cache"
-            raise ValueError(f"snapshot_verify: argument '{arg}': the GPU kernel cannot take it: {reason}")
-        kernel = _fast[fast_key] = get_compiled(
-            "mamba2_snapshot", shape.key() + cfg.key() + (num_drafts,),
-            lambda: compile_snapshot(shape, cfg, num_drafts, compile_options()))
-    return kernel
+    return _cached_kernel(
+        "snapshot_verify", fast_key, config,
+        lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, window=1, capacity=1),
+        # at most 8 rows per warp: a warp keeps its rows in registers
+        lambda shape: Mamba2Config(16, 4) if batch <= 16 or cache.headdim % 32 else Mamba2Config(32, 4),
+        lambda shape, cfg: Mamba2Snapshot.check(shape, cfg, num_drafts),
+        lambda shape, cfg: _compiled("mamba2_snapshot", shape.key() + cfg.key() + (num_drafts,),
+                                     lambda options: compile_snapshot(shape, cfg, num_drafts, options)))
