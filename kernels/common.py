@@ -1,14 +1,22 @@
-"""Device helpers shared by the Mamba-2 and GDN decode kernels.
+"""Device helpers shared by the Mamba-2 and GDN kernels.
 
-What lives here is the same in every layer type: the softplus of the engines, warp sums, and
-the TMA streaming of a checkpoint tile into shared memory (one mbarrier per stage, every stage
-issued up front so a CTA keeps its whole tile in flight).
+What lives here is the same in every layer type: the softplus of the engines, warp sums, the TMA
+streaming of a checkpoint tile into shared memory (one mbarrier per stage, every stage issued up
+front so a CTA keeps its whole tile in flight), and the tensor-core products of the verify
+kernels: a warp's 16 state rows times a few columns (m16n8k8 TF32 MMAs on fp32 data split into a
+high and a low TF32 part, so the products keep fp32 accuracy).
+
+MMA fragments follow the PTX m16n8k8 TF32 layout, with g = lane / 4 and c = lane % 4:
+A (16 x 8) value i at (g + 8 (i % 2), c + 4 (i // 2)); B (8 x 8, given as an n x k matrix) value
+i at (n = g, k = c + 4 i); the accumulator value i at (g + 8 (i // 2), 2 c + i % 2).
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32, TFloat32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 SMEM_PER_CTA = 227 * 1024  # opt-in maximum per CTA on sm_90 / sm_100 / sm_103
@@ -130,7 +138,7 @@ def issue_tile_loads(
 
     ``s_tile`` is ``(box_rows, box_cols, stages)``; box ``first_box + s`` lands in stage ``s``.
     """
-    g_boxes = cute.local_tile(m_tma, cute.select(s_tile.shape, mode=[0, 1]), (None, 0))
+    g_boxes = cute.local_tile(m_tma, cute.product_each(cute.select(s_tile.shape, mode=[0, 1])), (None, 0))
     t_s, t_g = cpasync.tma_partition(
         tma_atom, 0, cute.make_layout(1),
         cute.group_modes(s_tile, 0, 2), cute.group_modes(g_boxes, 0, 2),
@@ -139,3 +147,131 @@ def issue_tile_loads(
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, stage_bytes)
         cute.copy(tma_atom, t_g[None, first_box + s], t_s[None, s], tma_bar_ptr=mbar + s)
+
+
+TILE_PAD = 4  # fp32 columns of padding per tile row: an MMA fragment read (8 rows x 4 columns) hits 32 banks
+
+
+def padded_tile_layout(rows: int, cols: int, stages: int):
+    """fp32 (rows, cols + TILE_PAD, stages) shared-memory tile with rows TILE_PAD columns apart."""
+    width = cols + TILE_PAD
+    return cute.make_layout((rows, width, stages), stride=(width, 1, rows * width))
+
+
+def make_padded_row_tma(m_rows: cute.Tensor, box_rows: int, cols: int):
+    """TMA atom loading (box_rows, cols) boxes of a row-major 2-D fp32 view into the padded
+    tile of ``padded_tile_layout``: the box is TILE_PAD columns wider than the tensor, so TMA fills
+    the padding with zeros (out of bounds) and reads nothing extra. Returns (atom, coordinate
+    tensor) as ``make_row_tma``; a stage then holds box_rows * (cols + TILE_PAD) * 4 bytes."""
+    width = cols + TILE_PAD
+    smem_layout = cute.make_layout((box_rows, width), stride=(width, 1))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_rows, smem_layout, (box_rows, width))
+
+
+@dsl_user_op
+def tf32_round(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x rounded to the nearest TF32 value (cvt.rna), returned as fp32."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rna.tf32.f32 $0, $1;", "=f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def mma_tf32(acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor, split_a: cutlass.Constexpr[bool],
+             split_b: cutlass.Constexpr[bool]):
+    """acc (4, 1, NT) += A (4, 1, 1) B (2, NT, 1)^T for fp32 fragments. An operand that is not
+    exact in TF32 (split_*) is split into hi + lo; lo x lo is below fp32 rounding and skipped."""
+    atom = cute.make_mma_atom(warp.MmaTF32Op((16, 8, 8)))
+    nt = cute.size(rB, mode=[1])
+    aHi = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), TFloat32)
+    aLo = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), TFloat32)
+    bHi = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), TFloat32)
+    bLo = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), TFloat32)
+    for i in cutlass.range_constexpr(4):
+        a = rA[i, 0, 0]
+        if cutlass.const_expr(split_a):
+            hi = tf32_round(a)
+            aHi[i, 0, 0] = hi.to(TFloat32)
+            aLo[i, 0, 0] = (a - hi).to(TFloat32)
+        else:
+            aHi[i, 0, 0] = a.to(TFloat32)
+    for n in cutlass.range_constexpr(nt):
+        for i in cutlass.range_constexpr(2):
+            b = rB[i, n, 0]
+            if cutlass.const_expr(split_b):
+                hi = tf32_round(b)
+                bHi[i, n, 0] = hi.to(TFloat32)
+                bLo[i, n, 0] = (b - hi).to(TFloat32)
+            else:
+                bHi[i, n, 0] = b.to(TFloat32)
+    cute.gemm(atom, acc, aHi, bHi, acc)
+    if cutlass.const_expr(split_a):
+        cute.gemm(atom, acc, aLo, bHi, acc)
+    if cutlass.const_expr(split_b):
+        cute.gemm(atom, acc, aHi, bLo, acc)
+
+
+@cute.jit
+def load_b_fragment(rB: cute.Tensor, sCols: cute.Tensor, k0, n_tiles: cutlass.Constexpr[int]):
+    """rB (2, n_tiles, 1) <- the B fragments of columns k0..k0+7 of the (n, k) matrix ``sCols``
+    (rows 8 n .. 8 n + 7 of n-tile n)."""
+    lane = cute.arch.lane_idx()
+    for n in cutlass.range_constexpr(n_tiles):
+        for i in cutlass.range_constexpr(2):
+            rB[i, n, 0] = sCols[8 * n + lane // 4, k0 + lane % 4 + 4 * i].to(Float32)
+
+
+@cute.jit
+def rows_times_columns(acc: cute.Tensor, sTile: cute.Tensor, stage, sCols: cute.Tensor,
+                       k_steps: cutlass.Constexpr[int], cols_exact: cutlass.Constexpr[bool]):
+    """acc (4, 1, NT) += tile (16, 8 k_steps) @ cols^T: a warp's 16 fp32 state rows (stage
+    ``stage`` of a padded tile) against the NT * 8 rows of the (n, k) matrix ``sCols``."""
+    lane = cute.arch.lane_idx()
+    nt = cute.size(acc, mode=[2])
+    for kb in cutlass.range_constexpr(k_steps):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = sTile[lane // 4 + 8 * (i % 2), 8 * kb + lane % 4 + 4 * (i // 2), stage]
+        rB = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), Float32)
+        load_b_fragment(rB, sCols, 8 * kb, nt)
+        mma_tf32(acc, rA, rB, True, not cols_exact)
+
+
+def fold_cols(cols: int) -> int:
+    """Checkpoint columns folded per pass: the largest of 64, 32, 16, 8 dividing `cols`."""
+    return next(c for c in (64, 32, 16, 8) if cols % c == 0)
+
+
+@cute.jit
+def fold_into_checkpoint(mRow: cute.Tensor, sTile: cute.Tensor, stage, rCoef: cute.Tensor, sKeys: cute.Tensor,
+                         gamma: Float32, fold_cols: cutlass.Constexpr[int], keys_exact: cutlass.Constexpr[bool]):
+    """Store ``gamma S + Coef Keys`` for a warp's 16 rows: S the fp32 tile (stage ``stage``),
+    Coef (16, 8 KF) the records' coefficients as A fragments ``rCoef`` (4, KF), Keys the (8 KF, cols)
+    rows of ``sKeys``; ``mRow(r, c)`` is the checkpoint row r of the warp. ``fold_cols`` columns of
+    accumulators at a time keep the registers bounded."""
+    lane = cute.arch.lane_idx()
+    g4 = lane // 4
+    c4 = lane % 4
+    cols = cute.size(mRow, mode=[1])
+    kf_steps = cute.size(rCoef, mode=[1])
+    nt = fold_cols // 8
+    for nc in cutlass.range_constexpr(cols // fold_cols):
+        rNew = cute.make_rmem_tensor(cute.make_layout((4, 1, nt)), Float32)
+        for n in cutlass.range_constexpr(nt):
+            for i in cutlass.range_constexpr(4):
+                rNew[i, 0, n] = gamma * sTile[g4 + 8 * (i // 2), nc * fold_cols + 8 * n + 2 * c4 + i % 2, stage]
+        for kf in cutlass.range_constexpr(kf_steps):
+            rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+            for i in cutlass.range_constexpr(4):
+                rA[i, 0, 0] = rCoef[i, kf]
+            rB = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), Float32)
+            for n in cutlass.range_constexpr(nt):
+                for i in cutlass.range_constexpr(2):
+                    rB[i, n, 0] = sKeys[8 * kf + c4 + 4 * i, nc * fold_cols + 8 * n + g4].to(Float32)
+            mma_tf32(rNew, rA, rB, True, not keys_exact)
+        for n in cutlass.range_constexpr(nt):
+            for half in cutlass.range_constexpr(2):
+                rPair = cute.make_rmem_tensor((2,), Float32)
+                rPair[0] = rNew[2 * half, 0, n]
+                rPair[1] = rNew[2 * half + 1, 0, n]
+                cute.autovec_copy(rPair, cute.local_tile(mRow[g4 + 8 * half, None], (2,), (nc * fold_cols // 2 + 4 * n + c4,)))

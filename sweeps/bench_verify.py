@@ -21,13 +21,11 @@ accepted), every row accepting a drafts at every step:
   per flush, the committed records read, the T draft records written, activations), as time at
   the copy rate and as a fraction of the conventional step; the achieved TB/s on those ideal
   bytes and the fraction of the copy rate;
-- the conventional snapshot baseline (state loaded once, a state snapshot stored per draft):
-  measured where the layer has a kernel for it (replayssm_cute.snapshot_verify, Mamba-2: its
-  launch alone, snapshot buffers rotating over >= 512 MiB; the commit's copy or pointer switch
-  is not timed; left out past 2^31 snapshot elements, batch 512 with T >= 6, see
-  measure_snapshot), as time, fraction of the conventional step and of the copy rate; and always its
-  ideal bytes (1 + T) S + S plus activations, normalised to the conventional step, labelled
-  ideal (not measured);
+- the conventional snapshot baseline (state loaded once, a state snapshot stored per draft),
+  measured for both layer types (replayssm_cute.snapshot_verify: its launch alone, snapshot
+  buffers rotating over >= 512 MiB; the commit's copy or pointer switch is not timed), as time,
+  fraction of the conventional step and of the copy rate; and its ideal bytes (1 + T) S + S plus
+  activations, normalised to the conventional step, labelled ideal;
 - the memory per slot: checkpoint + ring of L + T records (cache.memory_per_slot()) against the
   snapshot baseline's state per draft, (T + 1) S.
 Verify (and the snapshot baseline) run at the API's default launch config and the layer's grid
@@ -79,12 +77,12 @@ def speculative_configs(model, batch: int, drafts: int, window: int = 16, quick:
 def compile_jobs(models, batches, drafts, window, quick):
     """(model, window, T, config, batch) for every kernel the run times, in a stable order: the
     conventional steps (window 1, T = 0), the verify steps (window L), the snapshot baselines
-    (window 1, T > 0) where the layer has one, and the commits, one per T whatever the model
+    (window 1, T > 0), and the commits, one per T whatever the model
     (model None). The batch counts only where the API picks the config (None) by it, which it
     does by batch <= SMALL_BATCH: one job for each side of that."""
     jobs = {(m, 1, 0, c, 0) for m in models for b in batches for c in candidate_configs(m, b, window, quick)}
     for m in models:
-        for w in (window, 1) if bench_layer(m).has_speculative_kernel(1) else (window,):
+        for w in (window, 1):
             jobs |= {(m, w, T, c, min(b, SMALL_BATCH + 1) if c is None else 0)
                      for b in batches for T in drafts for c in speculative_configs(m, b, T, w, quick)}
     jobs |= {(None, window, T, None, 0) for T in drafts}
@@ -145,20 +143,17 @@ def _config_name(cfg) -> str:
 
 
 def measure_snapshot(model, batch, T, replays, quick):
-    """{snapshot_us, snapshot_cfg} of the conventional snapshot baseline's verify at its best
-    config, or {} where the layer has no kernel for it."""
-    if not bench_layer(model).has_speculative_kernel(1):
-        return {}
+    """(us, config name) of the conventional snapshot baseline's verify at its best config."""
     pool = DecodePool(model, batch, 1, drafts=T)
     t, cfg = best(pool.snapshot_fn, speculative_configs(model, batch, T, 1, quick), replays)
     del pool
     torch.cuda.empty_cache()
-    return dict(snapshot_us=t, snapshot_cfg=_config_name(cfg))
+    return t, _config_name(cfg)
 
 
 def measure(model, batch, L, T, bw, conv_us, conv_cfg, replays, quick):
     """CSV rows for a = 1 and a = T of (model, batch, T), at the verify config with the least
-    total time over both, beside the snapshot baseline (measured where it has a kernel)."""
+    total time over both, beside the snapshot baseline."""
     pool = DecodePool(model, batch, L, drafts=T)
     accepted = sorted({1, T})
     configs = speculative_configs(model, batch, T, L, quick)
@@ -166,7 +161,7 @@ def measure(model, batch, L, T, bw, conv_us, conv_cfg, replays, quick):
     del pool
     torch.cuda.empty_cache()
     cfg = min(configs, key=lambda c: sum(times[c]))
-    snap = measure_snapshot(model, batch, T, replays, quick)
+    snap_us, snap_cfg = measure_snapshot(model, batch, T, replays, quick)
     mem, snapshot_mem = slot_memory(model, L, T)
     rows = []
     for a, t in zip(accepted, times[cfg]):
@@ -185,11 +180,9 @@ def measure(model, batch, L, T, bw, conv_us, conv_cfg, replays, quick):
             snapshot_ideal_bytes=ideal["snapshot"],
             snapshot_ideal_vs_conv_bytes=ideal["snapshot"] / ideal["conventional"],
             snapshot_ideal_floor_vs_conv=ideal["snapshot"] / bw * 1e6 / conv_us,
-            mem_per_slot=mem, snapshot_mem_per_slot=snapshot_mem, **snap)
-        if snap:
-            ts = snap["snapshot_us"]
-            rec.update(snapshot_vs_conv=ts / conv_us, vs_snapshot=t / ts,
-                       snapshot_frac_copy=ideal["snapshot_kernel"] / (ts * 1e-6) / bw)
+            mem_per_slot=mem, snapshot_mem_per_slot=snapshot_mem,
+            snapshot_us=snap_us, snapshot_cfg=snap_cfg, snapshot_vs_conv=snap_us / conv_us,
+            vs_snapshot=t / snap_us, snapshot_frac_copy=ideal["snapshot_kernel"] / (snap_us * 1e-6) / bw)
         rows.append(rec)
     return rows
 
@@ -202,13 +195,8 @@ def _notes(models, window, drafts):
             print(f"{m.name:14s} T={T}: checkpoint + ring of L + T = {window + T} records "
                   f"{mem / 2**20:6.2f} MiB per slot; snapshot baseline (T + 1) S {snap / 2**20:6.2f} MiB "
                   f"({mem / snap:.2f}x)")
-    for layer in sorted({m.layer for m in models}):
-        if bench_layer(next(m for m in models if m.layer == layer)).has_speculative_kernel(1):
-            print(f"{layer}: snapshot baseline measured (snapshot_verify: state read once, a snapshot "
-                  "written per draft; the commit's copy or pointer switch not timed)")
-        else:
-            print(f"{layer}: no snapshot-baseline kernel: the snapshot baseline is its ideal bytes, "
-                  "(1 + T) S + S plus activations, normalised to the conventional step (ideal, not measured)")
+    print("snapshot baseline measured (snapshot_verify: state read once, a snapshot written per draft; "
+          "the commit's copy or pointer switch not timed)")
 
 
 def main(argv=None):
@@ -250,13 +238,12 @@ def main(argv=None):
                 for rec in measure(m, b, L, T, bw, conv_us, conv_cfg, args.replays, args.quick):
                     rows.append(rec)
                     write_rows(rows, args.out)
-                    snap = (f"{rec['snapshot_vs_conv']:.2f}x ({rec['snapshot_frac_copy']:.0%} copy), "
-                            if "snapshot_us" in rec else "")
                     print(f"{m.name:14s} b={b:4d} T={T} a={rec['accepted']}: {rec['verify_us']:8.1f} us = "
                           f"{rec['vs_conv']:.3f}x conv ({conv_us:.1f} us, {rec['conv_frac_copy']:.0%} copy) | "
                           f"floor {rec['floor_vs_conv']:.3f}x, {rec['vs_floor']:.2f}x floor, "
                           f"{rec['tbps']:.2f} TB/s = {rec['frac_copy']:.0%} copy | "
-                          f"snapshot {snap}ideal {rec['snapshot_ideal_vs_conv_bytes']:.2f}x conv bytes, "
+                          f"snapshot {rec['snapshot_vs_conv']:.2f}x ({rec['snapshot_frac_copy']:.0%} copy), "
+                          f"ideal {rec['snapshot_ideal_vs_conv_bytes']:.2f}x conv bytes, "
                           f"floor {rec['snapshot_ideal_floor_vs_conv']:.2f}x | "
                           f"cfg {rec['verify_cfg']}  [{time.perf_counter() - t0:.0f} s]", flush=True)
     print(f"wrote {args.out}")

@@ -11,7 +11,7 @@ from replayssm_cute import compile_cache
 from replayssm_cute import kernels_host as kh
 from replayssm_cute.models import get_model
 from replayssm_cute.perf import DecodePool, bench_layer, cursor_cycle, verify_ideal_bytes
-from replayssm_cute.reference_spec import mamba2_snapshot_verify, spec_flush
+from replayssm_cute.reference_spec import gdn_snapshot_verify, mamba2_snapshot_verify, spec_flush
 
 
 def _bench():
@@ -136,15 +136,12 @@ def test_pool_verify_follows_the_cycle(layer):
 @pytest.mark.parametrize("name", ["nemotron-super", "qwen3.5-122b"])
 @pytest.mark.parametrize("window", [16, 1])
 def test_speculative_configs_valid(name, window):
-    """Verify (window 16) and, where the layer has one, the snapshot baseline (window 1): the
-    API's default first (None where it picks inline), every other config one the kernel takes."""
+    """Verify (window 16) and the snapshot baseline (window 1): the API's default first (None
+    where it picks inline), every other config one the kernel takes."""
     bench = _bench()
     model = get_model(name)
     assert name in bench.DEFAULT_MODELS.split(",")
     layer = bench_layer(model)
-    if not layer.has_speculative_kernel(window):
-        assert model.layer == "gdn" and window == 1  # no GDN snapshot-baseline kernel yet
-        return
     for batch in (1, 16, 17, 64, 256, 512):
         for T in (2, 4, 6, 8):
             full = bench.speculative_configs(model, batch, T, window)
@@ -156,9 +153,11 @@ def test_speculative_configs_valid(name, window):
             assert all(layer.speculative_check(model, window, T, c) is None for c in full[1:])
 
 
-def test_compile_jobs():
+@pytest.mark.parametrize("name", ["nemotron-super", "qwen3.5-122b"])
+def test_compile_jobs(name):
+    """Conventional steps, verify and snapshot baseline per (T, config) and the commits."""
     bench = _bench()
-    m = get_model("nemotron-super")
+    m = get_model(name)
     jobs = bench.compile_jobs([m], [64, 256], [4, 8], 16, quick=True)
     assert len(jobs) == len(set(jobs))
     conv = {c for mm, w, T, c, b in jobs if mm is m and w == 1 and T == 0}
@@ -170,7 +169,7 @@ def test_compile_jobs():
     assert {(w, T) for mm, w, T, c, b in jobs if mm is None} == {(16, 4), (16, 8)}  # the commits
 
 
-@pytest.mark.parametrize("layer,window", [("mamba2", 8), ("gdn", 8), ("mamba2", 1)])
+@pytest.mark.parametrize("layer,window", [("mamba2", 8), ("gdn", 8), ("mamba2", 1), ("gdn", 1)])
 def test_speculative_kernel_is_what_the_api_asks_for(layer, window, monkeypatch):
     """bench_verify precompiles layer.speculative_kernel on a meta cache of the model: the kernel
     that verify() (window > 1) or snapshot_verify() (window 1) looks up for the pool's inputs,
@@ -183,12 +182,14 @@ def test_speculative_kernel_is_what_the_api_asks_for(layer, window, monkeypatch)
     T = 4
     pool = DecodePool(model, 2, window, drafts=T, device="cpu", rotation_bytes=1)
     inp = pool.inputs
-    if layer == "gdn":  # the arguments api._verify_gdn passes
-        api_kernel, args = kh.gdn_verify_kernel, (inp["a"].dtype, inp["A_log"].dtype, inp["dt_bias"].dtype, None)
-    else:  # the arguments api._verify_mamba2 and api.snapshot_verify pass
+    if layer == "gdn":  # the arguments api._verify_gdn and api._snapshot_verify_gdn pass
+        api_kernel = kh.gdn_verify_kernel if window > 1 else kh.gdn_snapshot_kernel
+        args = (inp["a"].dtype, inp["A_log"].dtype, inp["dt_bias"].dtype, None)
+    else:  # the arguments api._verify_mamba2 and api._snapshot_verify_mamba2 pass
         api_kernel = kh.mamba2_verify_kernel if window > 1 else kh.mamba2_snapshot_kernel
         args = (inp["dt"].dtype, True, False, True, inp["dt_softplus"])
-    for cfg in (blayer.config(16, 4), None):
+    explicit = blayer.config(16, 1) if window > 1 else blayer.config(16, 4)  # verify: 16 rows per warp
+    for cfg in (explicit, None):
         for kernel in (lambda: api_kernel(pool.cache, T, *args, 2, cfg),
                        lambda: blayer.speculative_kernel(blayer.cache(model, 1, window, "meta", T), T, 2, cfg)):
             monkeypatch.setattr(kh, "_fast", {})
@@ -204,28 +205,25 @@ def test_slot_memory():
     assert bench.slot_memory(get_model("nemotron-super"), 16, 8) == (S + 24 * e + 12, 9 * S)
 
 
-def test_snapshot_left_out_without_a_kernel():
-    """No GPU touched: GDN has no snapshot-baseline kernel, so its baseline is left out."""
-    bench = _bench()
-    assert bench.measure_snapshot(get_model("qwen3.5-122b"), 256, 8, 1, True) == {}
-
-
-def test_pool_snapshot_fn():
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+def test_pool_snapshot_fn(layer):
     """The snapshot baseline's pool (window 1, T drafts) runs snapshot_verify() through the
     reference on every set: the snapshots of the last set hold the states after each draft, and
     the conventional cache is not written."""
-    model = TINY["mamba2"]
-    pool = DecodePool(model, 2, 1, drafts=3, device="cpu", rotation_bytes=1)
-    assert pool.cache.max_draft == 0 and pool.inputs["x"].shape[:2] == (2, 3)
+    pool = DecodePool(TINY[layer], 2, 1, drafts=3, device="cpu", rotation_bytes=1)
+    inp = pool.inputs
+    assert pool.cache.max_draft == 0 and inp["out"].shape[:2] == (2, 3)
     before = pool.cache.checkpoint.clone()
     fn, launches = pool.snapshot_fn()
     assert launches == 2
     fn()
     assert torch.equal(pool.cache.checkpoint, before)
     assert len(pool.snapshots) == 1  # rotation_bytes=1: one buffer serves both sets
-    inp = pool.inputs
-    y, want = mamba2_snapshot_verify(before[2:], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
-                                     None, inp["dt_bias"], True)
+    if layer == "gdn":
+        y, want = gdn_snapshot_verify(before[2:], *(inp[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias")))
+    else:
+        y, want = mamba2_snapshot_verify(before[2:], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
+                                         None, inp["dt_bias"], True)
     torch.testing.assert_close(pool.snapshots[0].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.out.double(), y, rtol=2e-2, atol=2e-2)
 
@@ -299,7 +297,7 @@ def test_compile_only_builds_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "12 kernels for sm_90a" in proc.stdout, proc.stdout
     assert "nemotron-super T=8: checkpoint + ring of L + T = 24 records" in proc.stdout
-    assert "mamba2: snapshot baseline measured" in proc.stdout
+    assert "snapshot baseline measured" in proc.stdout
     assert len(list(tmp_path.glob("mamba2_decode-*.o"))) == 2
     assert len(list(tmp_path.glob("mamba2_verify-*.o"))) == 4
     assert len(list(tmp_path.glob("mamba2_snapshot-*.o"))) == 4  # (32, 4) default and (16, 4), T = 4 and 8

@@ -308,17 +308,23 @@ class DraftBuild:
         return [(model, k) for model in DRAFT_CASES for k in self.models[model][1]]
 
 
-@pytest.fixture(scope="module")
-def draft_builds(request, tmp_path_factory):
-    """arch -> DraftBuild for every arch the selected tests ask for, built in parallel (one child
-    per core): each child is single-threaded, and CI has two cores."""
+def _builds_per_arch(request, tmp_path_factory, fixture, build, prefix):
+    """arch -> build(arch, tmp dir) for every arch the selected tests ask for through the
+    arch-parametrised `fixture`, built in parallel (one child per core): each child is
+    single-threaded, and CI has two cores."""
     from concurrent.futures import ThreadPoolExecutor
 
-    archs = sorted({item.callspec.params["draft_build"] for item in request.session.items
-                    if hasattr(item, "callspec") and "draft_build" in item.callspec.params}) or list(ARCHS)
+    archs = sorted({item.callspec.params[fixture] for item in request.session.items
+                    if hasattr(item, "callspec") and fixture in item.callspec.params}) or list(ARCHS)
     with ThreadPoolExecutor(max_workers=max(1, min(len(archs), os.cpu_count() or 1))) as pool:
-        futures = {a: pool.submit(DraftBuild, a, tmp_path_factory.mktemp(f"drafts-{a}")) for a in archs}
+        futures = {a: pool.submit(build, a, tmp_path_factory.mktemp(f"{prefix}-{a}")) for a in archs}
         return {a: f.result() for a, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def draft_builds(request, tmp_path_factory):
+    """arch -> DraftBuild, built in parallel (_builds_per_arch)."""
+    return _builds_per_arch(request, tmp_path_factory, "draft_build", DraftBuild, "drafts")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -408,3 +414,151 @@ def test_verify_draft_range():
         assert what in _option_error(m, False, window, drafts)
         with pytest.raises(ValueError, match="--drafts"):
             draft_variants(m, window, drafts, ["bf16"])
+
+
+# ----------------------------------------------------------------------------- snapshot baseline
+#
+# The GDN conventional speculative baseline (kernels/gdn/snapshot.py: snapshot_verify on a
+# window-1 cache), compiled straight to PTX in one child process per arch, in parallel:
+# Qwen3.5-122B with T = 2, 8 and 16 at the launch configs snapshot_verify picks for small and
+# large batches, and the two odd GDN shapes with T = 5; sm_103a (sm_100a's PTX but for the
+# .target line) takes the Qwen3.5-122B large-batch config only, to save CI time. Same checks as
+# the decode and verify kernels: target, TMA streaming of the state, no local memory, no spills.
+
+SNAPSHOT_CASES = {"qwen3.5-122b": (2, 8, 16), "gdn-h2-hv6-k64": (5,), "gdn-h2-hv4-k48": (5,)}
+
+_SNAPSHOT_CHILD = """
+import os, sys, time
+from pathlib import Path
+arch, ptx_dir, large_only = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1"
+os.environ["CUTE_DSL_ARCH"] = arch
+sys.path.insert(0, {tests!r})
+from test_kernels_compile import _snapshot_kernels
+from replayssm_cute.kernels.gdn.snapshot import compile_snapshot
+from replayssm_cute.precompile import _write_ptx
+todo = _snapshot_kernels(large_only)
+print(f"precompile gdn-snapshot for {{arch}}: {{len(todo)}} kernels", flush=True)
+ptx_dir.mkdir(parents=True)
+for label, shape, config, T in todo:
+    path = ptx_dir / f"{{label}}.{{arch}}.ptx"
+    t0 = time.perf_counter()
+    _write_ptx(lambda options: compile_snapshot(shape, config, T, options), path)
+    print(f"  {{label}} {{time.perf_counter() - t0:6.1f}} s  -> {{path}}", flush=True)
+""".format(tests=str(Path(__file__).resolve().parent))
+
+
+def _snapshot_kernels(large_only):
+    """(label, shape, config, T) for SNAPSHOT_CASES in bf16 with the engines' usual arguments (as
+    precompile's GDN variants), at the configs snapshot_verify picks for batch 1 and 1024 (only
+    1024 and Qwen3.5-122B if `large_only`)."""
+    import torch
+
+    from replayssm_cute.kernels_host import default_gdn_snapshot_config, gdn_shape
+    from replayssm_cute.precompile import config_label
+
+    batches = (1024,) if large_only else (1, 1024)
+    out = []
+    for name, drafts in SNAPSHOT_CASES.items():
+        if large_only and name != "qwen3.5-122b":
+            continue
+        m = _spec(name)
+        shape = gdn_shape(m.nheads, m.headdim, m.dstate, m.ngroups, 1, 1, torch.bfloat16, torch.bfloat16,
+                          torch.float32, torch.float32, None, False, -1)
+        configs = sorted({default_gdn_snapshot_config(m.headdim, b) for b in batches}, key=lambda c: c.key())
+        out += [(f"gdn_snapshot_{name}_T{T}_bf16_{config_label(cfg)}", shape, cfg, T)
+                for T in drafts for cfg in configs]
+    return out
+
+
+class SnapshotBuild:
+    """One child process per arch: the header and kernels parsed from its log."""
+
+    def __init__(self, arch, tmp):
+        self.arch = arch
+        self.ptx_dir = tmp / "ptx"
+        self.large_only = arch == "sm_103a"
+        cmd = [sys.executable, "-c", _SNAPSHOT_CHILD, arch, str(self.ptx_dir), str(int(self.large_only))]
+        self.proc = subprocess.run(cmd, env=_env(tmp / "cache"), cwd=tmp, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, timeout=900)
+        self.log = _ANSI.sub("", self.proc.stdout)
+        self.header, self.built = _parse(self.log)
+
+    def tail(self, n=6000):
+        return self.log[-n:]
+
+    def kernels(self):
+        assert self.proc.returncode == 0, self.tail()
+        assert self.header is not None and self.built, self.tail()
+        return self.built
+
+
+@pytest.fixture(scope="module")
+def snapshot_builds(request, tmp_path_factory):
+    """arch -> SnapshotBuild, built in parallel (_builds_per_arch)."""
+    return _builds_per_arch(request, tmp_path_factory, "snapshot_build", SnapshotBuild, "snapshot")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def snapshot_build(request, snapshot_builds):
+    return snapshot_builds[request.param]
+
+
+def test_snapshot_kernels_are_built_with_one_ptx_file(snapshot_build):
+    kernels = snapshot_build.kernels()
+    assert snapshot_build.header.group(2) == snapshot_build.arch
+    assert int(snapshot_build.header.group(3)) == len(kernels)
+    want = _snapshot_kernels(snapshot_build.large_only)
+    assert [k[0] for k in kernels] == [label for label, _, _, _ in want], snapshot_build.tail()
+    for label, _, path, _ in kernels:
+        assert Path(path) == snapshot_build.ptx_dir / f"{label}.{snapshot_build.arch}.ptx"
+        assert Path(path).is_file() and Path(path).stat().st_size > 0
+    assert len(list(snapshot_build.ptx_dir.glob("*.ptx"))) == len(kernels)
+
+
+def test_snapshot_ptx_targets_the_arch(snapshot_build):
+    for label, _, path, _ in snapshot_build.kernels():
+        targets = re.findall(r"^\s*\.target\s+(\S+)", Path(path).read_text(), flags=re.M)
+        assert targets and all(t.rstrip(",") == snapshot_build.arch for t in targets), (label, targets)
+
+
+def test_snapshot_ptx_streams_the_state_with_tma(snapshot_build):
+    for label, _, path, _ in snapshot_build.kernels():
+        assert "cp.async.bulk.tensor" in Path(path).read_text(), label
+
+
+def test_snapshot_ptx_declares_no_local_memory(snapshot_build):
+    for label, _, path, _ in snapshot_build.kernels():
+        hits = [ln.strip() for ln in Path(path).read_text().splitlines() if re.search(r"\.local\b", ln)]
+        assert not hits, (label, hits[:5])
+
+
+def test_snapshot_ptxas_reports_no_spills(snapshot_build):
+    for label, _, _, reports in snapshot_build.kernels():
+        assert len(reports) == 1, f"{label}: {len(reports)} ptxas reports:\n{snapshot_build.tail()}"
+        assert reports[0] == (0, 0, 0), f"{label}: (stack frame, spill stores, spill loads) = {reports[0]}"
+
+
+def test_snapshot_check():
+    """Which launches the snapshot kernel takes (no compile): a conventional cache (window 1),
+    1 <= T <= 16, at most 8 rows per warp; snapshot_verify's defaults always fit."""
+    import torch
+
+    from replayssm_cute.kernels.gdn.decode import GDNConfig
+    from replayssm_cute.kernels.gdn.snapshot import GDNSnapshot
+    from replayssm_cute.kernels_host import default_gdn_snapshot_config, gdn_shape
+
+    def shape(name, window=1):
+        m = _spec(name)
+        return gdn_shape(m.nheads, m.headdim, m.dstate, m.ngroups, window, window, torch.bfloat16,
+                         torch.bfloat16, torch.float32, torch.float32, None, False, -1)
+
+    for name in ("qwen3.5-4b", "qwen3.5-122b", *ODD_SHAPES):
+        for batch in (1, 1024):
+            cfg = default_gdn_snapshot_config(_spec(name).headdim, batch)
+            ok = [T for T in range(0, 18) if GDNSnapshot.check(shape(name), cfg, T) is None]
+            assert ok == list(range(1, 17)), (name, batch)
+    assert "window 1" in GDNSnapshot.check(shape("qwen3.5-122b", 16), GDNConfig(16, 4), 4)
+    assert "rows per warp 16" in GDNSnapshot.check(shape("qwen3.5-122b"), GDNConfig(64, 4), 4)
+    with pytest.raises(ValueError, match="num_drafts 17"):
+        GDNSnapshot(shape("qwen3.5-122b"), GDNConfig(16, 4), 17)
+

@@ -4,8 +4,11 @@ At least 200 steps per case with random acceptance per row: every draft's output
 recurrence run from the row's accepted stream, the checkpoint of every flushing row against the
 state of its committed records, materialized states after every commit, pad rows and untouched
 slots bit-identical, standard decode steps interleaved on the same cache (cursor == window after
-a commit included), and the verify + commit step captured in one CUDA graph.
+a commit included), and the verify + commit step captured in one CUDA graph (both layer types).
+verify's packed (varlen) form against the dense form, bit for bit, eager and captured.
 """
+
+import copy
 
 import pytest
 import torch
@@ -163,6 +166,25 @@ def _gdn_cache_tensors(cache):
     return [cache.checkpoint, cache.ring_u, cache.ring_k, cache.ring_g, cache.cursor, cache.origin]
 
 
+def _gdn_params(HV, device, gen):
+    A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen, device=device))
+    dt_bias = -4.0 + torch.rand(HV, generator=gen, device=device)
+    return A_log, dt_bias
+
+
+def _gdn_fold_of_stored(cache, slot_ids, h, ckpt):
+    """Float64 fold of each slot's h committed records as stored in its ring, from `ckpt`: what a
+    flush must write (the tight checkpoint check)."""
+    window, dev = cache.window, cache.checkpoint.device
+    idx = (cache.origin[slot_ids.long()].long()[:, None] + torch.arange(window, device=dev)) % cache.capacity
+    rows = slot_ids.long()[:, None]
+    stored = [cache.ring_u[rows, idx].double(), cache.ring_k[rows, idx].double(), cache.ring_g[rows, idx].double()]
+    mask = torch.arange(window, device=dev)[None, :] < h.long()[:, None]  # committed records only
+    stored[0] = stored[0] * mask[:, :, None, None]
+    stored[2] = stored[2] * mask[:, :, None]
+    return reference.gdn_replay(ckpt, *stored)
+
+
 @pytest.mark.parametrize("shape,window,T,batch", [
     ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("qwen3.5-122b", 16, 4, 32), ("odd", 5, 1, 9),
 ])
@@ -181,8 +203,7 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
     init = torch.randn(batch, HV, V, K, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
     ref_state = init.double().clone()
-    A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen, device=dev))
-    dt_bias = -4.0 + torch.rand(HV, generator=gen, device=dev)
+    A_log, dt_bias = _gdn_params(HV, dev, gen)
     idle = sorted(set(range(batch + extra)) - set(slots.tolist()))
     idle_before = [t[idle].clone() for t in _gdn_cache_tensors(cache)]
     flushes = 0
@@ -203,17 +224,7 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
         flushed = live & (h_before + T > window)
         fl = flushed.nonzero().flatten()
         if fl.numel():
-            # The fold of the records as stored, for the tight checkpoint check.
-            idx = (cache.origin[slots[fl].long()].long()[:, None]
-                   + torch.arange(window, device=dev)) % cache.capacity
-            rows = slots[fl].long()[:, None]
-            hs = h_before[fl].long()
-            stored = [cache.ring_u[rows, idx].double(), cache.ring_k[rows, idx].double(),
-                      cache.ring_g[rows, idx].double()]
-            mask = torch.arange(window, device=dev)[None, :] < hs[:, None]  # committed records only
-            stored[0] = stored[0] * mask[:, :, None, None]
-            stored[2] = stored[2] * mask[:, :, None]
-            expect = reference.gdn_replay(ck_before[fl], *stored)
+            expect = _gdn_fold_of_stored(cache, slots[fl], h_before[fl], ck_before[fl])
         rs.verify(cache, q, k, v, a, b, A_log, dt_bias, step_slots, out=out)
         o_ref, snaps = reference_spec.gdn_snapshot_verify(ref_state, q, k, v, a, b, A_log, dt_bias)
         assert _rel(out[live], o_ref[live]) < 2e-2, f"step {step} draft outputs"
@@ -239,6 +250,145 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
         assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
 
 
+def test_gdn_verify_commit_cuda_graph():
+    """One graph holds GDN verify + commit; replays with fresh drafts and acceptance per row, across
+    flushes: outputs against the float64 recurrence on the accepted stream, checkpoints of flushing
+    rows against the fold of their stored records and the recurrence, cursors after the commit."""
+    H, HV, K, V = GDN_SHAPES["odd"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    host = torch.Generator().manual_seed(3)
+    batch, window, T = 16, 8, 4
+    cache = rs.GDNCache(batch + 1, HV, V, K, H, window=window, max_draft=T, device=dev)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    init = torch.randn(batch, HV, V, K, generator=gen, device=dev) * 0.1
+    cache.load_prefill(slots, init)
+    ref_state = init.double().clone()
+    A_log, dt_bias = _gdn_params(HV, dev, gen)
+    static = _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)
+    out = torch.empty(batch, T, HV, V, dtype=torch.bfloat16, device=dev)
+    accepted = torch.ones(batch, dtype=torch.int32, device=dev)
+    pad = torch.full_like(slots, -1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside capture, on pad rows only
+        rs.verify(cache, *static, A_log, dt_bias, pad, out=out)
+        rs.commit(cache, pad, accepted)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rs.verify(cache, *static, A_log, dt_bias, slots, out=out)
+        rs.commit(cache, slots, accepted)
+    flushes = 0
+    for replay in range(60):
+        for dst, src in zip(static, _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)):
+            dst.copy_(src)
+        accepted.copy_(torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32))
+        h_before = cache.cursor[slots.long()].clone()
+        ck_before = cache.checkpoint[slots.long()].clone()
+        flushed = h_before + T > window
+        if flushed.any():
+            expect = _gdn_fold_of_stored(cache, slots[flushed], h_before[flushed], ck_before[flushed])
+        graph.replay()
+        o_ref, snaps = reference_spec.gdn_snapshot_verify(ref_state, *static, A_log, dt_bias)
+        assert _rel(out, o_ref) < 2e-2, f"replay {replay} draft outputs"
+        ck = cache.checkpoint[slots.long()]
+        if flushed.any():
+            flushes += 1
+            assert _rel(ck[flushed], expect) < 2e-5, f"replay {replay} checkpoint vs fold of stored records"
+            assert _rel(ck[flushed], ref_state[flushed]) < 2e-2, f"replay {replay} checkpoint vs recurrence"
+        assert torch.equal(ck[~flushed], ck_before[~flushed]), "only flushing rows write the checkpoint"
+        expect_h = torch.where(flushed, accepted, h_before + accepted)
+        assert torch.equal(cache.cursor[slots.long()], expect_h), f"replay {replay} cursors"
+        ref_state = snaps[torch.arange(batch), accepted.long() - 1]
+    assert flushes > 10
+    assert _rel(cache.materialize(slots), ref_state) < 2e-2
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_varlen_verify_matches_dense_bit_for_bit(kind, captured):
+    """verify's packed form (tokens (b * T, ...), cu_seqlens, num_drafts) + commit, run eagerly or
+    replayed from one CUDA graph, against the dense form run eagerly on an identical copy of the
+    cache, over 40 steps with pad rows and random acceptance (flushes included): outputs,
+    checkpoint, ring, cursor and origin bit-identical after every step."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(7)
+    host = torch.Generator().manual_seed(7)
+    batch, window, T = 24, 8, 4
+    if kind == "mamba2":
+        H, P, N, G = SHAPES["odd"]
+        cache = rs.Mamba2Cache(batch + 2, H, P, N, G, window=window, max_draft=T, device=dev)
+        state_shape, out_shape, cache_tensors = (H, P, N), (H, P), _cache_tensors
+        A, dt_bias, D = _params(H, dev, gen)
+
+        def make_tokens():
+            z = torch.randn(batch, T, H, P, generator=gen, device=dev).to(torch.bfloat16)
+            return _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen) + (z,)
+
+        def run_verify(c, tokens, slot_ids, out, **packed):
+            x, dt, B, C, z = tokens
+            return rs.verify(c, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias, dt_softplus=True, out=out,
+                             **packed)
+    else:
+        H, HV, K, V = GDN_SHAPES["odd"]
+        cache = rs.GDNCache(batch + 2, HV, V, K, H, window=window, max_draft=T, device=dev)
+        state_shape, out_shape, cache_tensors = (HV, V, K), (HV, V), _gdn_cache_tensors
+        A_log, dt_bias = _gdn_params(HV, dev, gen)
+
+        def make_tokens():
+            return _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)
+
+        def run_verify(c, tokens, slot_ids, out, **packed):
+            return rs.verify(c, *tokens, A_log, dt_bias, slot_ids, out=out, **packed)
+
+    slots = torch.randperm(batch + 2, generator=gen, device=dev)[:batch].to(torch.int32)
+    cache.load_prefill(slots, torch.randn(batch, *state_shape, generator=gen, device=dev) * 0.1)
+    twin = copy.deepcopy(cache)
+    # Static buffers: the dense form reads them as (b, T, ...), the packed form as (b * T, ...).
+    tokens = make_tokens()
+    packed_tokens = [t.flatten(0, 1) for t in tokens]
+    packed = dict(cu_seqlens=torch.arange(batch + 1, dtype=torch.int32, device=dev) * T, num_drafts=T)
+    dense_out = torch.empty(batch, T, *out_shape, dtype=torch.bfloat16, device=dev)
+    packed_out = torch.empty(batch * T, *out_shape, dtype=torch.bfloat16, device=dev)
+    step_slots = slots.clone()
+    accepted = torch.ones(batch, dtype=torch.int32, device=dev)
+
+    def packed_step():
+        assert run_verify(twin, packed_tokens, step_slots, packed_out, **packed) is packed_out
+        rs.commit(twin, step_slots, accepted)
+
+    if captured:
+        pad = torch.full_like(slots, -1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile outside capture, on pad rows only
+            run_verify(twin, packed_tokens, pad, packed_out, **packed)
+            rs.commit(twin, pad, accepted)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            packed_step()
+    flushes = 0
+    for step in range(40):
+        for dst, src in zip(tokens, make_tokens()):
+            dst.copy_(src)
+        live = torch.rand(batch, generator=gen, device=dev) > 0.1
+        step_slots.copy_(torch.where(live, slots, torch.full_like(slots, -1)))
+        accepted.copy_(torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32))
+        dense_out.fill_(777.0)
+        packed_out.fill_(777.0)
+        flushes += int((live & (cache.cursor[slots.long()] + T > window)).any())
+        run_verify(cache, tokens, step_slots, dense_out)
+        rs.commit(cache, step_slots, accepted)
+        graph.replay() if captured else packed_step()
+        assert torch.equal(packed_out, dense_out.flatten(0, 1)), f"step {step} outputs"
+        pairs = zip(cache_tensors(cache), cache_tensors(twin))
+        differ = [i for i, (dense, varlen) in enumerate(pairs) if not torch.equal(dense, varlen)]
+        assert not differ, f"step {step}: tensors {differ} of {cache_tensors.__name__} differ"
+    assert flushes > 10
+
+
 @pytest.mark.parametrize("shape,T,batch", [("super", 8, 64), ("odd", 4, 37), ("super", 2, 1)])
 def test_snapshot_baseline(shape, T, batch):
     """The conventional speculative baseline kernel against the float64 recurrence: outputs and
@@ -262,6 +412,50 @@ def test_snapshot_baseline(shape, T, batch):
     y_ref, s_ref = reference_spec.mamba2_snapshot_verify(cache.checkpoint[slots.long()], x, dt, A, B, C, D=D,
                                                          dt_bias=dt_bias, dt_softplus=True)
     assert _rel(out[live], y_ref[live]) < 1e-2
+    assert _rel(snaps[live], s_ref[live]) < 2e-5
+    assert torch.all(out[~live] == 777.0) and torch.all(snaps[~live] == 5.0)
+    assert torch.equal(cache.checkpoint, before)
+
+
+# K = V = 48: a state row fills only 24 of a warp's lanes.
+GDN_SNAPSHOT_SHAPES = {**GDN_SHAPES, "k48": (2, 4, 48, 48)}  # H, HV, K, V
+
+
+@pytest.mark.parametrize("shape,T,batch,config", [
+    ("qwen3.5-122b", 8, 64, None), ("qwen3.5-122b", 16, 3, None), ("qwen3.5-122b", 4, 20, (64, 8)),
+    ("odd", 5, 37, None), ("odd", 2, 1, None), ("k48", 3, 19, None),
+])
+def test_gdn_snapshot_baseline(shape, T, batch, config):
+    """The GDN conventional speculative baseline kernel against the float64 recurrence: outputs and
+    every snapshot; pad and out-of-pool rows leave out and snapshots untouched, the cache (every
+    slot) bit-identical."""
+    H, HV, K, V = GDN_SNAPSHOT_SHAPES[shape]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + 10)
+    cache = rs.GDNCache(batch + 2, HV, V, K, H, window=1, dtype=torch.bfloat16, device=dev)
+    slots = torch.randperm(batch + 2, generator=gen, device=dev)[:batch].to(torch.int32)
+    cache.checkpoint.normal_(generator=gen).mul_(0.1)
+    before = cache.checkpoint.clone()
+    A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen, device=dev))
+    dt_bias = -4.0 + torch.rand(HV, generator=gen, device=dev)
+    live = torch.ones(batch, dtype=torch.bool, device=dev)
+    step_slots = slots.clone()
+    if batch > 1:
+        live[batch // 3] = False
+        step_slots[batch // 3] = -1
+    if batch > 2:
+        live[batch // 2] = False
+        step_slots[batch // 2] = batch + 9  # out of the pool
+    q, k, v, a, b = _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)
+    snaps = torch.full((batch, T, HV, V, K), 5.0, device=dev)
+    out = torch.full((batch, T, HV, V), 777.0, dtype=torch.bfloat16, device=dev)
+    if config is not None:
+        from replayssm_cute.kernels.gdn.decode import GDNConfig
+
+        config = GDNConfig(*config)
+    assert rs.snapshot_verify(cache, q, k, v, a, b, A_log, dt_bias, step_slots, snaps, out=out, config=config) is out
+    o_ref, s_ref = reference_spec.gdn_snapshot_verify(before[slots.long()], q, k, v, a, b, A_log, dt_bias)
+    assert _rel(out[live], o_ref[live]) < 2e-2
     assert _rel(snaps[live], s_ref[live]) < 2e-5
     assert torch.all(out[~live] == 777.0) and torch.all(snaps[~live] == 5.0)
     assert torch.equal(cache.checkpoint, before)

@@ -117,7 +117,19 @@ class GDNConfig:
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
 
     def check(self, shape: GDNShape) -> Optional[str]:
-        """None if valid for `shape`, else the reason."""
+        """None if valid for the decode kernel on `shape`, else the reason."""
+        reason = self.check_tiles(shape)
+        if reason is not None:
+            return reason
+        rw = self.rows_per_warp
+        if rw & (rw - 1) or rw > 16:
+            return f"rows per warp {rw}: must be a power of two up to 16"
+        if 2 * self.records_per_warp(shape.capacity) > 32:
+            return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
+        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
+
+    def check_tiles(self, shape: GDNShape) -> Optional[str]:
+        """The checks every GDN kernel shares: head dims, heads, tiling and ring capacity."""
         V, K = shape.head_v_dim, shape.head_k_dim
         if K % 16 or not 16 <= K <= 256 or V % 16 or not 16 <= V <= 256:
             return f"head dims (V {V}, K {K}): the kernel needs multiples of 16 up to 256"
@@ -127,14 +139,9 @@ class GDNConfig:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
         if V % self.rows_per_cta:
             return f"rows_per_cta {self.rows_per_cta} does not divide head_v_dim {V}"
-        rw = self.rows_per_warp
-        if rw & (rw - 1) or rw > 16:
-            return f"rows per warp {rw}: must be a power of two up to 16"
         if shape.capacity > 32:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        if 2 * self.records_per_warp(shape.capacity) > 32:
-            return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
-        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
+        return None
 
 
 class GDNDecode:

@@ -9,14 +9,18 @@ by forward substitution, per state row i:
     u_s = beta_s (R_s - sum_{d < s} W_{h+d,s} (k_{h+d} . k_s) u_{h+d})
     o_s = gamma_s (S_ckpt q_s) + sum_{j <= h+s} W_{j,s} (k_j . q_s) u_j
 
-S_ckpt k_s and S_ckpt q_s come from one pass over the checkpoint tile; the key products once per
-CTA (shared memory, 16 per warp reduction). The draft records (u fp16, normalised k once per key
-head, g, and v / beta for two-precision caches) go behind the committed ones at
-(origin + h + s) % cap; a row with h + T > L folds its h committed records into the checkpoint in
-the same launch. Cursor and origin are moved by the commit kernel (``kernels/commit.py``).
+The products run on tensor cores as small GEMMs (m16n8k8 TF32 with fp32 operands split into
+hi + lo parts, accuracy that of fp32): the key products ``(k_col . k_s)`` and ``(k_col . q_s)``
+of every ring position and draft once per CTA, weighted into shared memory; per warp (16 state
+rows) ``S_ckpt [k; q]^T`` and ``U Dots^T`` (U the rows' committed corrections); a flushing row's
+fold ``S = gamma S + (w_j u_j) K^T``. Only the T x T substitution runs per row on CUDA cores. The
+draft records (u fp16, normalised k once per key head, g, and v / beta for two-precision caches)
+go behind the committed ones at (origin + h + s) % cap; a row with h + T > L folds its h
+committed records into the checkpoint in the same launch. Cursor and origin are moved by the
+commit kernel (``kernels/commit.py``).
 
-Grid and warp layout as ``GDNDecode``; the ring is read at every physical position as soon as the
-slot is known.
+Grid (head_v_dim // rows_per_cta, num_v_heads, batch); 16 rows per warp (the MMA's M), each
+warp's rows one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act as decode):
 
@@ -40,11 +44,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import cdiv, make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
+from ..common import (TILE_PAD, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment, make_padded_row_tma, mma_tf32,
+                      padded_tile_layout, rows_times_columns, slot_is_live, smem_fit, start_tile_loads)
+from ..mamba2.verify import MMA_ROWS, round_up
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
-
-
 
 
 class GDNVerify:
@@ -57,21 +61,32 @@ class GDNVerify:
         self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
+    def dims(shape: GDNShape, num_drafts: int):
+        """(T padded to the MMA's N, ring + draft key columns padded to 16 rows of the dot GEMM)."""
+        return round_up(num_drafts, 8), round_up(shape.capacity + num_drafts, 16)
+
+    @staticmethod
     def smem_bytes(shape: GDNShape, config: GDNConfig, num_drafts: int) -> int:
-        K, T, cap = shape.head_k_dim, num_drafts, shape.capacity
-        return (config.rows_per_cta * K * 4 + cap * K * shape.act_dtype.width // 8 + 2 * T * K * 4
-                + 2 * T * (cap + T) * 4 + 8 * config.num_warps + 768)
+        K = shape.head_k_dim
+        TP, NQP = GDNVerify.dims(shape, num_drafts)
+        return (config.rows_per_cta * (K + TILE_PAD) * 4 + round_up(shape.capacity, 8) * (K + 8) * shape.act_dtype.width // 8
+                + 2 * TP * (K + 4) * 4 + 2 * TP * (NQP + 4) * 4 + config.num_warps * MMA_ROWS * (2 * TP + 1) * 4
+                + 8 * config.num_warps + 1024)
 
     @staticmethod
     def check(shape: GDNShape, config: GDNConfig, num_drafts: int) -> Optional[str]:
-        reason = config.check(shape)
+        reason = config.check_tiles(shape)
         if reason is not None:
             return reason
+        if config.rows_per_warp != MMA_ROWS:
+            return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
         if shape.window < 2:
             return "verification needs a ring (window >= 2)"
         if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
             return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
                     f"{shape.capacity - shape.window}, window {shape.window})")
+        if shape.window + num_drafts > 32:
+            return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
         return smem_fit(GDNVerify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
 
     @cute.jit
@@ -102,7 +117,7 @@ class GDNVerify:
             mCheckpoint.iterator,
             cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
         )
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
+        tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, K)
         self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin,
@@ -141,24 +156,22 @@ class GDNVerify:
         s, c, T = self.shape, self.config, self.num_drafts
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
-        RW = R // W
-        vec = s.k_vec
-        KL = K // vec
+        TP, NQP = self.dims(s, T)
+        NT = TP // 8  # n-tiles of drafts (k columns; the q columns follow)
         NQ = cap + T  # key columns: the ring positions, then the drafts
-        RPW = cdiv(cap, W)
-        TPW = cdiv(T, W)
-        CH = 16  # dot products per warp reduction
-        n_chunks = cdiv(cdiv(2 * T * NQ, W), CH)
-        TP2 = pow2_at_least(2 * T)
-        t_shift = 5 - (TP2.bit_length() - 1)
-        JC = 4
+        KF = cdiv(cap, 8)  # k-steps over ring positions
+        vec = s.k_vec
+        KL = K // vec  # lanes holding a K row
         rep = HV // H
         act = s.act_dtype
+        exact = act.width < 32  # bf16 / fp16 ring keys are exact in TF32
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, vhead, row = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
+        g4 = lane // 4
+        c4 = lane % 4
 
         slot = mSlot[row]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
@@ -166,60 +179,72 @@ class GDNVerify:
         if valid:
             slot64 = Int64(slot)
             khead = vhead // rep
-            i_warp = ptile * R + warp * RW
+            i_warp = ptile * R + warp * MMA_ROWS
 
             smem = SmemAllocator()
-            sState = smem.allocate_tensor(
-                Float32, cute.make_layout((RW, K, W), stride=(K, 1, RW * K)), byte_alignment=128
-            )
+            sState = smem.allocate_tensor(Float32, padded_tile_layout(MMA_ROWS, K, W), byte_alignment=128)
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
-            sKeys = smem.allocate_tensor(act, cute.make_layout((cap, K), stride=(K, 1)), byte_alignment=16)
-            # The drafts' normalised keys (rows 0..T-1) and queries (rows T..2T-1), fp32.
-            sDraft = smem.allocate_tensor(Float32, cute.make_layout((2 * T, K), stride=(K, 1)), byte_alignment=16)
-            # W_{j,s} (k_j . x_s) per (x in {k, q} x draft s, column q); zero where not used.
-            sDot = smem.allocate_tensor(Float32, cute.make_layout((2 * T, NQ), stride=(NQ, 1)), byte_alignment=16)
-            first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
+            # Ring keys by position, zero rows up to the fold's last k-step.
+            sKeys = smem.allocate_tensor(act, cute.make_layout((8 * KF, K), stride=(K + 8, 1)), byte_alignment=16)
+            # The drafts' normalised keys (rows 0..T-1) and queries (rows TP..TP+T-1), fp32, zero between.
+            sDraft = smem.allocate_tensor(Float32, cute.make_layout((2 * TP, K), stride=(K + 4, 1)), byte_alignment=16)
+            # W_{j,s} (k_col . x_s) per (x in {k, q} x draft s, column col); zero where not used.
+            sDot = smem.allocate_tensor(Float32, cute.make_layout((2 * TP, NQP), stride=(NQP + 4, 1)), byte_alignment=16)
+            # Per warp: gamma_s S_ckpt x_s + the ring part, per (row, x_s), for the substitution.
+            sPre = smem.allocate_tensor(
+                Float32, cute.make_layout((MMA_ROWS, 2 * TP, W), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))),
+                byte_alignment=16)
+            first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (K + TILE_PAD) * 4)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
             g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + T > L
 
-            lr = lane % RW
-            i_row = i_warp + lr
-            rU = cute.make_rmem_tensor((cap,), Float32)  # ring u_p[i] at every position
-            for p in cutlass.range_constexpr(cap):
-                rU[p] = mRingU[slot64, p, vhead, i_row].to(Float32)
-            rV = cute.make_rmem_tensor((T,), Float32)
+            # U fragments: the rows' committed corrections at every ring position (live ones).
+            rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+            for kf in cutlass.range_constexpr(KF):
+                for i in cutlass.range_constexpr(4):
+                    q = 8 * kf + c4 + 4 * (i // 2)
+                    uv = Float32(0.0)
+                    if q < cap:
+                        live = (q - origin + cap) % cap < h  # select: a stale position may hold anything
+                        uv = cutlass.select_(live, mRingU[slot64, q, vhead, i_warp + g4 + 8 * (i % 2)].to(Float32),
+                                             Float32(0.0))
+                    rU[i, kf] = uv
+
+            # The drafts' v of this lane's substitution row (lanes < 16), loaded now rather than at
+            # the end, where the dependent load would add a memory latency to the CTA.
+            rV = cute.make_rmem_tensor((T,), act)
             for d in cutlass.range_constexpr(T):
-                rV[d] = mV[row, d, vhead, i_row].to(Float32)
+                rV[d] = mV[row, d, vhead, i_warp + lane % MMA_ROWS]
 
             # Stage the ring keys and the drafts' normalised k and q (warp w: drafts w, w + W, ...).
-            if lane < KL:
-                for pp in cutlass.range_constexpr(RPW):
-                    if cutlass.const_expr(pp * W < cap):
-                        if pp * W + warp < cap:
-                            rKp = cute.make_rmem_tensor((vec,), act)
-                            for e in cutlass.range_constexpr(vec):
-                                rKp[e] = mRingK[slot64, pp * W + warp, khead, lane * vec + e]
-                            cute.autovec_copy(rKp, cute.local_tile(sKeys[pp * W + warp, None], (vec,), (lane,)))
-            for tt in cutlass.range_constexpr(TPW):
-                if cutlass.const_expr(tt * W < T):
-                    d_stage = tt * W + warp
-                    if d_stage < T:
-                        rK = cute.make_rmem_tensor((vec,), Float32)
-                        rQ = cute.make_rmem_tensor((vec,), Float32)
-                        rK.fill(0.0)
-                        rQ.fill(0.0)
-                        if lane < KL:
-                            for e in cutlass.range_constexpr(vec):
-                                rK[e] = mK[row, d_stage, khead, lane * vec + e].to(Float32)
-                                rQ[e] = mQ[row, d_stage, khead, lane * vec + e].to(Float32)
-                        normalize_qk(rK, rQ, vec, s.q_scale)
-                        if lane < KL:
-                            cute.autovec_copy(rK, cute.local_tile(sDraft[d_stage, None], (vec,), (lane,)))
-                            cute.autovec_copy(rQ, cute.local_tile(sDraft[T + d_stage, None], (vec,), (lane,)))
+            for pp in cutlass.range_constexpr(cdiv(8 * KF, W)):
+                p_stage = pp * W + warp
+                if p_stage < 8 * KF and lane < KL:
+                    rKp = cute.make_rmem_tensor((vec,), act)
+                    rKp.fill(0.0)
+                    if p_stage < cap:
+                        for e in cutlass.range_constexpr(vec):
+                            rKp[e] = mRingK[slot64, p_stage, khead, lane * vec + e]
+                    cute.autovec_copy(rKp, cute.local_tile(sKeys[p_stage, None], (vec,), (lane,)))
+            for tt in cutlass.range_constexpr(cdiv(TP, W)):
+                d_stage = tt * W + warp
+                if d_stage < TP:
+                    rK = cute.make_rmem_tensor((vec,), Float32)
+                    rQ = cute.make_rmem_tensor((vec,), Float32)
+                    rK.fill(0.0)
+                    rQ.fill(0.0)
+                    if d_stage < T and lane < KL:
+                        for e in cutlass.range_constexpr(vec):
+                            rK[e] = mK[row, d_stage, khead, lane * vec + e].to(Float32)
+                            rQ[e] = mQ[row, d_stage, khead, lane * vec + e].to(Float32)
+                    normalize_qk(rK, rQ, vec, s.q_scale)
+                    if lane < KL:
+                        cute.autovec_copy(rK, cute.local_tile(sDraft[d_stage, None], (vec,), (lane,)))
+                        cute.autovec_copy(rQ, cute.local_tile(sDraft[TP + d_stage, None], (vec,), (lane,)))
 
             # Lane j: g of record j in order (committed j < h, draft d at lane h + d); beta of
             # draft d at lane h + d.
@@ -240,138 +265,95 @@ class GDNVerify:
                     prefix = prefix + other
             cute.arch.sync_threads()
 
-            # (k_col . x_s) for x in {k, q}, every draft s and column col, with their weights.
-            for ch in cutlass.range_constexpr(n_chunks):
-                rD = cute.make_rmem_tensor((CH,), Float32)
-                rD.fill(0.0)
-                for m in cutlass.range_constexpr(CH):
-                    task = (ch * CH + m) * W + warp
-                    if task < 2 * T * NQ and lane < KL:
-                        col = task % NQ
-                        rX = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(cute.local_tile(sDraft[task // NQ, None], (vec,), (lane,)), rX)
-                        rKc = cute.make_rmem_tensor((vec,), Float32)
-                        if col < cap:
-                            rKa = cute.make_rmem_tensor((vec,), act)
-                            cute.autovec_copy(cute.local_tile(sKeys[col, None], (vec,), (lane,)), rKa)
-                            rKc.store(rKa.load().to(Float32))
-                        else:
-                            cute.autovec_copy(cute.local_tile(sDraft[col - cap, None], (vec,), (lane,)), rKc)
-                        for e in cutlass.range_constexpr(vec):
-                            rD[m] = rD[m] + rKc[e] * rX[e]
-                dot = warp_reduce_many(rD, CH)
-                task_l = (ch * CH + (lane >> 1)) * W + warp  # CH = 16: lanes 2m, 2m + 1 hold task m
-                xs_l = task_l // NQ  # 0..T-1: k_s; T..2T-1: q_s
-                d_l = xs_l % T
-                col_l = task_l % NQ
-                j_l = cutlass.select_(col_l < cap, (col_l - origin + cap) % cap, h + col_l - cap)
-                # k-rows use committed records and earlier drafts; q-rows also the draft itself.
-                live = cutlass.select_(col_l < cap, j_l < h,
-                                       cutlass.select_(xs_l < T, col_l - cap < d_l, col_l - cap <= d_l))
-                p_j = cute.arch.shuffle_sync(prefix, j_l % 32)
-                p_e = cute.arch.shuffle_sync(prefix, (h + d_l) % 32)
-                if lane % 2 == 0 and task_l < 2 * T * NQ:
-                    w = cute.math.exp(p_e - p_j, fastmath=False)
-                    sDot[xs_l, col_l] = cutlass.select_(live, w * dot, Float32(0.0))
+            # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns per warp GEMM, weighted.
+            for mt in cutlass.range_constexpr(cdiv(NQP // 16, W)):
+                q_tile = (mt * W + warp) * 16
+                if q_tile < NQP:
+                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                    rDot.fill(0.0)
+                    for kb in cutlass.range_constexpr(K // 8):
+                        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                        for i in cutlass.range_constexpr(4):
+                            q = q_tile + g4 + 8 * (i % 2)
+                            kk = 8 * kb + c4 + 4 * (i // 2)
+                            ring_key = sKeys[cutlass.min(q, cap - 1), kk].to(Float32)
+                            draft_key = sDraft[cutlass.max(cutlass.min(q - cap, T - 1), 0), kk]
+                            rA[i, 0, 0] = cutlass.select_(q < cap, ring_key, draft_key)
+                        rX = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
+                        load_b_fragment(rX, sDraft, 8 * kb, 2 * NT)
+                        mma_tf32(rDot, rA, rX, True, True)
+                    for nt in cutlass.range_constexpr(2 * NT):
+                        for i in cutlass.range_constexpr(4):
+                            q = q_tile + g4 + 8 * (i // 2)
+                            xs = 8 * nt + 2 * c4 + i % 2  # 0..TP-1: k_s; TP..2TP-1: q_s
+                            d = xs % TP
+                            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+                            # k-rows use committed records and earlier drafts; q-rows also the draft itself.
+                            live = (q < NQ) & (d < T) & cutlass.select_(
+                                q < cap, j < h, cutlass.select_(xs < TP, q - cap < d, q - cap <= d))
+                            p_j = cute.arch.shuffle_sync(prefix, j % 32)
+                            p_e = cute.arch.shuffle_sync(prefix, (h + d) % 32)
+                            w = cute.math.exp(p_e - p_j, fastmath=False)
+                            sDot[xs, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
             cute.arch.sync_threads()
 
-            # Ring parts of R_s and o_s for this lane's row.
-            rRk = cute.make_rmem_tensor((T,), Float32)
-            rRq = cute.make_rmem_tensor((T,), Float32)
-            for d in cutlass.range_constexpr(T):
-                acc_k = Float32(0.0)
-                acc_q = Float32(0.0)
-                for p in cutlass.range_constexpr(cap):
-                    live_p = (p - origin + cap) % cap < h  # select: a stale position may hold anything
-                    acc_k = acc_k + cutlass.select_(live_p, sDot[d, p] * rU[p], Float32(0.0))
-                    acc_q = acc_q + cutlass.select_(live_p, sDot[T + d, p] * rU[p], Float32(0.0))
-                rRk[d] = acc_k
-                rRq[d] = acc_q
-
-            # S_ckpt[i] . k_s and . q_s for all s, row by row; lane r collects its row's totals.
+            # Ring parts U Dots^T, then S_ckpt [k; q]^T once the tile has landed.
+            rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+            rRing.fill(0.0)
+            for kf in cutlass.range_constexpr(KF):
+                rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                for i in cutlass.range_constexpr(4):
+                    rA[i, 0, 0] = rU[i, kf]
+                rW = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
+                load_b_fragment(rW, sDot, 8 * kf, 2 * NT)
+                mma_tf32(rRing, rA, rW, False, True)  # u is fp16: exact in TF32
             cute.arch.mbarrier_wait(mbar + warp, 0)
-            rSk = cute.make_rmem_tensor((T,), Float32)
-            rSq = cute.make_rmem_tensor((T,), Float32)
-            rSk.fill(0.0)
-            rSq.fill(0.0)
-            for r in cutlass.range(RW):
-                rS = cute.make_rmem_tensor((vec,), Float32)
-                rS.fill(0.0)
-                if lane < KL:
-                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                rP = cute.make_rmem_tensor((TP2,), Float32)
-                rP.fill(0.0)
-                if lane < KL:
-                    for xs in cutlass.range_constexpr(2 * T):
-                        rX = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(cute.local_tile(sDraft[xs, None], (vec,), (lane,)), rX)
-                        for e in cutlass.range_constexpr(vec):
-                            rP[xs] = rP[xs] + rS[e] * rX[e]
-                tot = warp_reduce_many(rP, TP2)
-                for d in cutlass.range_constexpr(T):
-                    got_k = cute.arch.shuffle_sync(tot, d << t_shift)
-                    got_q = cute.arch.shuffle_sync(tot, (T + d) << t_shift)
-                    rSk[d] = cutlass.select_(lane == r, got_k, rSk[d])
-                    rSq[d] = cutlass.select_(lane == r, got_q, rSq[d])
-
-            # Forward substitution for the drafts' u, then the outputs.
-            rUd = cute.make_rmem_tensor((T,), Float32)
+            rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+            rSX.fill(0.0)
+            rows_times_columns(rSX, sState, warp, sDraft, K // 8, False)
+            for nt in cutlass.range_constexpr(2 * NT):
+                for i in cutlass.range_constexpr(4):
+                    xs = 8 * nt + 2 * c4 + i % 2
+                    gamma_s = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + xs % TP) % 32), fastmath=False)
+                    sPre[g4 + 8 * (i // 2), xs, warp] = gamma_s * rSX[i, 0, nt] + rRing[i, 0, nt]
+            rBeta = cute.make_rmem_tensor((T,), Float32)
             for d in cutlass.range_constexpr(T):
-                gamma_d = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + d) % 32), fastmath=False)
-                beta_d = cute.arch.shuffle_sync(beta_j, (h + d) % 32)
-                resid = rV[d] - gamma_d * rSk[d] - rRk[d]
-                for e in cutlass.range_constexpr(d):
-                    resid = resid - sDot[d, cap + e] * rUd[e]
-                rUd[d] = beta_d * resid
-                o = gamma_d * rSq[d] + rRq[d]
-                for e in cutlass.range_constexpr(d + 1):
-                    o = o + sDot[T + d, cap + e] * rUd[e]
-                if lane < RW:
+                rBeta[d] = cute.arch.shuffle_sync(beta_j, (h + d) % 32)
+            cute.arch.sync_warp()
+
+            # Forward substitution for the drafts' u, then the outputs: lane r < 16 takes row r.
+            if lane < MMA_ROWS:
+                i_row = i_warp + lane
+                rUd = cute.make_rmem_tensor((T,), Float32)
+                for d in cutlass.range_constexpr(T):
+                    resid = rV[d].to(Float32) - sPre[lane, d, warp]
+                    for e in cutlass.range_constexpr(d):
+                        resid = resid - sDot[d, cap + e] * rUd[e]
+                    rUd[d] = rBeta[d] * resid
+                    o = sPre[lane, TP + d, warp]
+                    for e in cutlass.range_constexpr(d + 1):
+                        o = o + sDot[TP + d, cap + e] * rUd[e]
                     mOut[row, d, vhead, i_row] = o.to(act)
                     pos_d = (origin + h + d) % cap
                     mRingU[slot64, pos_d, vhead, i_row] = rUd[d].to(cutlass.Float16)
                     if cutlass.const_expr(s.keep_v_beta):
-                        mRingV[slot64, pos_d, vhead, i_row] = mV[row, d, vhead, i_row]
+                        mRingV[slot64, pos_d, vhead, i_row] = rV[d]
 
             if flush:
-                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j u_j[i]) k_j with
-                # decays up to record h - 1 (the drafts are not folded).
+                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j u_j) k_j^T with
+                # decays up to record h - 1, as a GEMM over ring positions (drafts not folded).
                 p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
                 w_fold = cute.math.exp(p_last - prefix, fastmath=False)
                 gamma = cute.math.exp(p_last, fastmath=False)
-                n_pass = cdiv(cap, JC)
-                for jc in cutlass.range_constexpr(n_pass):
-                    items = min(JC, cap - jc * JC)
-                    rKf = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
-                    rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(items):
-                        p_item = jc * JC + jj
-                        j_item = (p_item - origin + cap) % cap
-                        w = cute.arch.shuffle_sync(w_fold, j_item)
-                        if lane < KL:
-                            rKs = cute.make_rmem_tensor((vec,), act)
-                            cute.autovec_copy(cute.local_tile(sKeys[p_item, None], (vec,), (lane,)), rKs)
-                            for e in cutlass.range_constexpr(vec):
-                                rKf[jj, e] = rKs[e].to(Float32)
-                        rCoef[jj] = cutlass.select_(j_item < h, w * rU[p_item], Float32(0.0))
-                    for r in cutlass.range(RW, unroll=2):
-                        rS = cute.make_rmem_tensor((vec,), Float32)
-                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
-                        if lane < KL:
-                            cute.autovec_copy(tS, rS)
-                        if cutlass.const_expr(jc == 0):
-                            for e in cutlass.range_constexpr(vec):
-                                rS[e] = gamma * rS[e]
-                        for jj in cutlass.range_constexpr(items):
-                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
-                            for e in cutlass.range_constexpr(vec):
-                                rS[e] = rS[e] + coef * rKf[jj, e]
-                        if lane < KL:
-                            if cutlass.const_expr(jc == n_pass - 1):
-                                cute.autovec_copy(rS, cute.local_tile(
-                                    mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
-                            else:
-                                cute.autovec_copy(rS, tS)
+                rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                for kf in cutlass.range_constexpr(KF):
+                    for i in cutlass.range_constexpr(4):
+                        q = 8 * kf + c4 + 4 * (i // 2)
+                        w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
+                        rCoef[i, kf] = cutlass.select_(q < cap, w * rU[i, kf], Float32(0.0))
+                fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K),
+                                                     (i_warp // MMA_ROWS, 0)),
+                                     sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
 
             # The drafts' keys (once per key head) and decays (once per value head).
             if ptile == 0 and warp == 0:

@@ -7,16 +7,23 @@ each token (Eq. 6), never forming a state:
     y_t = gamma_t (S_ckpt C_t) + sum_{j <= h + t} w_{j,t} (B_j . C_t) x_j + D x_t,
     gamma_t = exp(A P_{h+t}),  w_{j,t} = dt_j exp(A (P_{h+t} - P_j)),  P the prefix sums of dt.
 
-The T draft records are written behind the committed ones, at (origin + h + t) % cap. A row with
-h + T > L folds its h committed records into the checkpoint in the same launch and stores it
-(only committed records are folded). Cursor and origin are not touched here: the commit kernel
-(``kernels/commit.py``) moves them once the accepted count is known, so the launch needs no
-arrival counter. The ring is read at every physical position as soon as the slot is known, as in
-the decode kernel.
+Every product runs on tensor cores as small GEMMs (m16n8k8 TF32, fp32 operands split into
+hi + lo TF32 parts, so accuracy stays that of fp32; bf16 / fp16 operands are exact in TF32):
 
-Grid and warp layout as ``Mamba2Decode``. The (B_j . C_t) products (ring positions and drafts
-against every draft's C) are computed once per CTA, 16 per warp reduction, and shared through
-shared memory with their decay weights; a row's S . C_t for all t are reduced together.
+- ``Dots (q, t) = B_q . C_t`` for every ring position and draft q, once per CTA, weighted by
+  w_{j,t} (zero where record q is not before draft t) into shared memory;
+- per warp (16 state rows): ``S_ckpt C^T`` (16 x T) and ``X Dots^T`` (16 x T) where X holds the
+  rows' x at every ring position and draft;
+- a row with h + T > L folds its h committed records in the same launch as one more GEMM,
+  ``S = gamma S + (w_j x_j) B^T`` over ring positions, and stores the checkpoint (drafts are not
+  folded).
+
+The T draft records are written behind the committed ones, at (origin + h + t) % cap. Cursor and
+origin are not touched here: the commit kernel (``kernels/commit.py``) moves them once the
+accepted count is known. The ring is read at every physical position as soon as the slot is known.
+
+Grid (headdim // rows_per_cta, nheads, batch); 16 rows per warp (the MMA's M), each warp's rows
+one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act as decode):
 
@@ -43,10 +50,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import cdiv, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many
+from ..common import (cdiv, fold_cols, fold_into_checkpoint, load_b_fragment, make_padded_row_tma, mma_tf32, rows_times_columns, slot_is_live,
+                      smem_fit, softplus, start_tile_loads, TILE_PAD, padded_tile_layout)
 from .decode import Mamba2Config, Mamba2Shape
 
+MMA_ROWS = 16  # state rows per warp: the M of an m16n8k8 MMA
 
+
+def round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
 
 
 class Mamba2Verify:
@@ -59,22 +71,31 @@ class Mamba2Verify:
         self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
+    def dims(shape: Mamba2Shape, num_drafts: int):
+        """(T padded to the MMA's N, ring + draft columns padded to 16 rows of the dot GEMM)."""
+        return round_up(num_drafts, 8), round_up(shape.capacity + num_drafts, 16)
+
+    @staticmethod
     def smem_bytes(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int) -> int:
-        N, T = shape.dstate, num_drafts
-        nq = shape.capacity + T
-        return (config.rows_per_cta * N * 4 + nq * N * shape.act_dtype.width // 8 + T * N * 4
-                + T * nq * 4 + 8 * config.num_warps + 768)
+        N = shape.dstate
+        TP, NQP = Mamba2Verify.dims(shape, num_drafts)
+        return (config.rows_per_cta * (N + TILE_PAD) * 4 + NQP * (N + 8) * shape.act_dtype.width // 8 + TP * (N + 4) * 4
+                + TP * (NQP + 4) * 4 + 8 * config.num_warps + 2048)
 
     @staticmethod
     def check(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int) -> Optional[str]:
         reason = config.check(shape)
         if reason is not None:
             return reason
+        if config.rows_per_warp != MMA_ROWS:
+            return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
         if shape.window < 2:
             return "verification needs a ring (window >= 2)"
         if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
             return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
                     f"{shape.capacity - shape.window}, window {shape.window})")
+        if shape.window + num_drafts > 32:
+            return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
         return smem_fit(Mamba2Verify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
 
     @cute.jit
@@ -104,7 +125,7 @@ class Mamba2Verify:
             mCheckpoint.iterator,
             cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
         )
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
+        tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, N)
         self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
             mRingX, mRingB, mRingDt, mCursor, mOrigin,
@@ -142,23 +163,24 @@ class Mamba2Verify:
         s, c, T = self.shape, self.config, self.num_drafts
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
-        RW = R // W
-        vec = N // 32
+        TP, NQP = self.dims(s, T)
+        NT = TP // 8  # n-tiles of drafts
         NQ = cap + T  # dot columns: the ring positions, then the drafts
-        RPW = cdiv(cap, W)  # ring positions whose B a warp stages
-        TPW = cdiv(T, W)  # drafts whose B and C a warp stages
-        CH = 16  # dot products per warp reduction
-        n_chunks = cdiv(cdiv(T * NQ, W), CH)
-        TP = pow2_at_least(T)
-        t_shift = 5 - (TP.bit_length() - 1)
-        JC = 4  # records folded per pass
+        KQ = NQP // 8  # k-steps over those columns
+        KF = cdiv(cap, 8)  # k-steps of the fold (ring positions only)
+        vec = N // 32
+        RPW = cdiv(NQP, W)  # rows of sB a warp stages
+        TPW = cdiv(TP, W)  # rows of sC a warp stages
         heads_per_group = H // G
         act = s.act_dtype
+        exact = act.width < 32  # bf16 / fp16 values are exact in TF32
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
+        g4 = lane // 4  # fragment row group
+        c4 = lane % 4  # fragment column in the group
 
         slot = mSlot[row]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
@@ -166,53 +188,76 @@ class Mamba2Verify:
         if valid:
             slot64 = Int64(slot)
             group = head // heads_per_group
-            p_warp = ptile * R + warp * RW
+            p_warp = ptile * R + warp * MMA_ROWS
 
             smem = SmemAllocator()
-            sState = smem.allocate_tensor(
-                Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
-            )
+            sState = smem.allocate_tensor(Float32, padded_tile_layout(MMA_ROWS, N, W), byte_alignment=128)
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
-            sB = smem.allocate_tensor(act, cute.make_layout((NQ, N), stride=(N, 1)), byte_alignment=16)
-            sC = smem.allocate_tensor(Float32, cute.make_layout((T, N), stride=(N, 1)), byte_alignment=16)
-            # w_{j,t} (B_j . C_t) per (draft t, column q); zero where q holds no record before t.
-            sDot = smem.allocate_tensor(Float32, cute.make_layout((T, NQ), stride=(NQ, 1)), byte_alignment=16)
-            first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
+            # B of the ring positions (rows 0..cap-1) and drafts (cap..NQ-1), zero below; padded rows
+            # keep the fragment reads on distinct banks.
+            sB = smem.allocate_tensor(act, cute.make_layout((NQP, N), stride=(N + 8, 1)), byte_alignment=16)
+            sC = smem.allocate_tensor(Float32, cute.make_layout((TP, N), stride=(N + 4, 1)), byte_alignment=16)
+            # w_{j,t} (B_q . C_t) per (draft t, column q); zero where q holds no record before t.
+            sDot = smem.allocate_tensor(Float32, cute.make_layout((TP, NQP), stride=(NQP + 4, 1)), byte_alignment=16)
+            first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
+            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (N + TILE_PAD) * 4)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
             dt_phys = mRingDt[slot64, lane % cap, head]  # lane p: dt at position p
             flush = h + T > L
 
-            lr = lane % RW
-            i_row = p_warp + lr
-            rX = cute.make_rmem_tensor((cap,), Float32)  # ring x_p[i] at every position
-            for p in cutlass.range_constexpr(cap):
-                rX[p] = mRingX[slot64, p, head, i_row].to(Float32)
-            rXd = cute.make_rmem_tensor((T,), Float32)  # the drafts' x[i]
-            for t in cutlass.range_constexpr(T):
-                rXd[t] = mX[row, t, head, i_row].to(Float32)
+            # X fragments: the rows' x at every ring position (live ones) and draft, zero beyond.
+            rX = cute.make_rmem_tensor(cute.make_layout((4, KQ)), Float32)
+            for kq in cutlass.range_constexpr(KQ):
+                for i in cutlass.range_constexpr(4):
+                    q = 8 * kq + c4 + 4 * (i // 2)
+                    r = p_warp + g4 + 8 * (i % 2)
+                    xv = Float32(0.0)
+                    if q < cap:
+                        live = (q - origin + cap) % cap < h  # select: a stale position may hold anything
+                        xv = cutlass.select_(live, mRingX[slot64, q, head, r].to(Float32), Float32(0.0))
+                    if q >= cap and q < NQ:
+                        xv = mX[row, q - cap, head, r].to(Float32)
+                    rX[i, kq] = xv
 
-            # Stage B of the ring positions and of the drafts, and the drafts' C, in shared memory.
+            # The drafts' x (and z) at the output positions of the accumulators, D: loaded now, not
+            # at the end, where each dependent load would add a memory latency to the CTA.
+            rXo = cute.make_rmem_tensor(cute.make_layout((4, NT)), act)
+            rZo = cute.make_rmem_tensor(cute.make_layout((4, NT)), act)
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    t = 8 * nt + 2 * c4 + i % 2
+                    r = p_warp + g4 + 8 * (i // 2)
+                    if t < T:
+                        rXo[i, nt] = mX[row, t, head, r]
+                        if cutlass.const_expr(s.has_z):
+                            rZo[i, nt] = mZ[row, t, head, r]
+            D = Float32(0.0)
+            if cutlass.const_expr(s.has_D):
+                D = mD[head].to(Float32)
+
+            # Stage B of the ring positions and drafts, and the drafts' C, in shared memory.
             for pp in cutlass.range_constexpr(RPW):
-                if cutlass.const_expr(pp * W < cap):
-                    if pp * W + warp < cap:
-                        rBp = cute.make_rmem_tensor((vec,), act)
-                        cute.autovec_copy(cute.local_tile(mRingB[slot64, pp * W + warp, group, None], (vec,), (lane,)), rBp)
-                        cute.autovec_copy(rBp, cute.local_tile(sB[pp * W + warp, None], (vec,), (lane,)))
+                q_stage = pp * W + warp
+                if q_stage < NQP:
+                    rBq = cute.make_rmem_tensor((vec,), act)
+                    rBq.fill(0.0)
+                    if q_stage < cap:
+                        cute.autovec_copy(cute.local_tile(mRingB[slot64, q_stage, group, None], (vec,), (lane,)), rBq)
+                    if q_stage >= cap and q_stage < NQ:
+                        cute.autovec_copy(cute.local_tile(mB[row, q_stage - cap, group, None], (vec,), (lane,)), rBq)
+                    cute.autovec_copy(rBq, cute.local_tile(sB[q_stage, None], (vec,), (lane,)))
             for tt in cutlass.range_constexpr(TPW):
-                if cutlass.const_expr(tt * W < T):
-                    t_stage = tt * W + warp
+                t_stage = tt * W + warp
+                if t_stage < TP:
+                    rCf = cute.make_rmem_tensor((vec,), Float32)
+                    rCf.fill(0.0)
                     if t_stage < T:
-                        rBt = cute.make_rmem_tensor((vec,), act)
                         rCt = cute.make_rmem_tensor((vec,), act)
-                        cute.autovec_copy(cute.local_tile(mB[row, t_stage, group, None], (vec,), (lane,)), rBt)
                         cute.autovec_copy(cute.local_tile(mC[row, t_stage, group, None], (vec,), (lane,)), rCt)
-                        cute.autovec_copy(rBt, cute.local_tile(sB[cap + t_stage, None], (vec,), (lane,)))
-                        rCf = cute.make_rmem_tensor((vec,), Float32)
                         rCf.store(rCt.load().to(Float32))
-                        cute.autovec_copy(rCf, cute.local_tile(sC[t_stage, None], (vec,), (lane,)))
+                    cute.autovec_copy(rCf, cute.local_tile(sC[t_stage, None], (vec,), (lane,)))
 
             # Lane j: dt of record j in logical order (committed j < h, draft t at lane h + t).
             A = mA[head].to(Float32)
@@ -233,115 +278,77 @@ class Mamba2Verify:
                     prefix = prefix + other
             cute.arch.sync_threads()
 
-            # (B_q . C_t) for every (t, q), CH per warp reduction; the holder lane adds the weight.
-            for ch in cutlass.range_constexpr(n_chunks):
-                rD = cute.make_rmem_tensor((CH,), Float32)
-                rD.fill(0.0)
-                for m in cutlass.range_constexpr(CH):
-                    task = (ch * CH + m) * W + warp
-                    if task < T * NQ:
-                        rBq = cute.make_rmem_tensor((vec,), act)
-                        rCq = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(cute.local_tile(sB[task % NQ, None], (vec,), (lane,)), rBq)
-                        cute.autovec_copy(cute.local_tile(sC[task // NQ, None], (vec,), (lane,)), rCq)
-                        for v in cutlass.range_constexpr(vec):
-                            rD[m] = rD[m] + rBq[v].to(Float32) * rCq[v]
-                dot = warp_reduce_many(rD, CH)
-                task_l = (ch * CH + (lane >> 1)) * W + warp  # CH = 16: lanes 2m, 2m + 1 hold task m
-                t_l = task_l // NQ
-                q_l = task_l % NQ
-                j_l = cutlass.select_(q_l < cap, (q_l - origin + cap) % cap, h + q_l - cap)
-                live = cutlass.select_(q_l < cap, j_l < h, q_l - cap <= t_l)
-                dt_l = cute.arch.shuffle_sync(dt_j, j_l % 32)
-                p_j = cute.arch.shuffle_sync(prefix, j_l % 32)
-                p_e = cute.arch.shuffle_sync(prefix, (h + t_l) % 32)
-                if lane % 2 == 0 and task_l < T * NQ:
-                    w = dt_l * cute.math.exp(A * (p_e - p_j), fastmath=False)
-                    sDot[t_l, q_l] = cutlass.select_(live, w * dot, Float32(0.0))
+            # Dots (q, t) = B_q . C_t, 16 columns q per warp GEMM, weighted into sDot.
+            for mt in cutlass.range_constexpr(cdiv(NQP // 16, W)):
+                q_tile = (mt * W + warp) * 16
+                if q_tile < NQP:
+                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+                    rDot.fill(0.0)
+                    for kb in cutlass.range_constexpr(N // 8):
+                        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                        for i in cutlass.range_constexpr(4):
+                            rA[i, 0, 0] = sB[q_tile + g4 + 8 * (i % 2), 8 * kb + c4 + 4 * (i // 2)].to(Float32)
+                        rCb = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
+                        load_b_fragment(rCb, sC, 8 * kb, NT)
+                        mma_tf32(rDot, rA, rCb, not exact, not exact)
+                    for nt in cutlass.range_constexpr(NT):
+                        for i in cutlass.range_constexpr(4):
+                            q = q_tile + g4 + 8 * (i // 2)
+                            t = 8 * nt + 2 * c4 + i % 2
+                            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+                            live = (q < NQ) & (t < T) & cutlass.select_(q < cap, j < h, q - cap <= t)
+                            dt_q = cute.arch.shuffle_sync(dt_j, j % 32)
+                            p_q = cute.arch.shuffle_sync(prefix, j % 32)
+                            p_t = cute.arch.shuffle_sync(prefix, (h + t) % 32)
+                            w = dt_q * cute.math.exp(A * (p_t - p_q), fastmath=False)
+                            sDot[t, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
             cute.arch.sync_threads()
 
-            # Ring and draft terms of this lane's row for every draft.
-            rTerm = cute.make_rmem_tensor((T,), Float32)
-            for t in cutlass.range_constexpr(T):
-                acc = Float32(0.0)
-                for p in cutlass.range_constexpr(cap):
-                    live_p = (p - origin + cap) % cap < h  # select: a stale position may hold anything
-                    acc = acc + cutlass.select_(live_p, sDot[t, p] * rX[p], Float32(0.0))
-                for d in cutlass.range_constexpr(t + 1):
-                    acc = acc + sDot[t, cap + d] * rXd[d]
-                rTerm[t] = acc
-
-            D = Float32(0.0)
-            if cutlass.const_expr(s.has_D):
-                D = mD[head].to(Float32)
+            # The ring and draft terms X Dots^T, then S_ckpt C^T once the tile has landed.
+            rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+            rRing.fill(0.0)
+            for kq in cutlass.range_constexpr(KQ):
+                rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                for i in cutlass.range_constexpr(4):
+                    rA[i, 0, 0] = rX[i, kq]
+                rW = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
+                load_b_fragment(rW, sDot, 8 * kq, NT)
+                mma_tf32(rRing, rA, rW, not exact, True)
             cute.arch.mbarrier_wait(mbar + warp, 0)
+            rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+            rSC.fill(0.0)
+            rows_times_columns(rSC, sState, warp, sC, N // 8, exact)
 
-            # S_ckpt[i] . C_t for all t, row by row; lane r collects its row's T totals.
-            rY = cute.make_rmem_tensor((T,), Float32)
-            rY.fill(0.0)
-            for r in cutlass.range(RW):
-                rS = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                rP = cute.make_rmem_tensor((TP,), Float32)
-                rP.fill(0.0)
-                for t in cutlass.range_constexpr(T):
-                    rCq = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(cute.local_tile(sC[t, None], (vec,), (lane,)), rCq)
-                    for v in cutlass.range_constexpr(vec):
-                        rP[t] = rP[t] + rS[v] * rCq[v]
-                tot = warp_reduce_many(rP, TP)
-                for t in cutlass.range_constexpr(T):
-                    got = cute.arch.shuffle_sync(tot, t << t_shift)
-                    rY[t] = cutlass.select_(lane == r, got, rY[t])
-
-            for t in cutlass.range_constexpr(T):
-                gamma_t = cute.math.exp(A * cute.arch.shuffle_sync(prefix, (h + t) % 32), fastmath=False)
-                y = gamma_t * rY[t] + rTerm[t]
-                if cutlass.const_expr(s.has_D):
-                    y = y + D * rXd[t]
-                if cutlass.const_expr(s.has_z):
-                    z = mZ[row, t, head, i_row].to(Float32)
-                    y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                if lane < RW:
-                    mOut[row, t, head, i_row] = y.to(act)
-                    mRingX[slot64, (origin + h + t) % cap, head, i_row] = mX[row, t, head, i_row]
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    t = 8 * nt + 2 * c4 + i % 2
+                    r = p_warp + g4 + 8 * (i // 2)
+                    gamma_t = cute.math.exp(A * cute.arch.shuffle_sync(prefix, (h + t) % 32), fastmath=False)
+                    if t < T:
+                        x_t = rXo[i, nt]
+                        y = gamma_t * rSC[i, 0, nt] + rRing[i, 0, nt]
+                        if cutlass.const_expr(s.has_D):
+                            y = y + D * x_t.to(Float32)
+                        if cutlass.const_expr(s.has_z):
+                            z = rZo[i, nt].to(Float32)
+                            y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                        mOut[row, t, head, r] = y.to(act)
+                        mRingX[slot64, (origin + h + t) % cap, head, r] = x_t
 
             if flush:
-                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j x_j[i]) B_j with
-                # weights up to record h - 1 (the drafts are not folded).
+                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j x_j) B_j^T with
+                # weights up to record h - 1, as a GEMM over ring positions (drafts not folded).
                 p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
                 w_fold = dt_j * cute.math.exp(A * (p_last - prefix), fastmath=False)
                 gamma = cute.math.exp(A * p_last, fastmath=False)
-                n_pass = cdiv(cap, JC)
-                for jc in cutlass.range_constexpr(n_pass):
-                    items = min(JC, cap - jc * JC)
-                    rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
-                    rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(items):
-                        p_item = jc * JC + jj
-                        j_item = (p_item - origin + cap) % cap
-                        w = cute.arch.shuffle_sync(w_fold, j_item)
-                        rBs = cute.make_rmem_tensor((vec,), act)
-                        cute.autovec_copy(cute.local_tile(sB[p_item, None], (vec,), (lane,)), rBs)
-                        for v in cutlass.range_constexpr(vec):
-                            rBc[jj, v] = rBs[v].to(Float32)
-                        rCoef[jj] = cutlass.select_(j_item < h, w * rX[p_item], Float32(0.0))
-                    for r in cutlass.range(RW, unroll=2):
-                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
-                        rS = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(tS, rS)
-                        if cutlass.const_expr(jc == 0):
-                            for v in cutlass.range_constexpr(vec):
-                                rS[v] = gamma * rS[v]
-                        for jj in cutlass.range_constexpr(items):
-                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
-                            for v in cutlass.range_constexpr(vec):
-                                rS[v] = rS[v] + coef * rBc[jj, v]
-                        if cutlass.const_expr(jc == n_pass - 1):
-                            cute.autovec_copy(rS, cute.local_tile(
-                                mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
-                        else:
-                            cute.autovec_copy(rS, tS)
+                rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                for kf in cutlass.range_constexpr(KF):
+                    for i in cutlass.range_constexpr(4):
+                        q = 8 * kf + c4 + 4 * (i // 2)
+                        w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
+                        rCoef[i, kf] = cutlass.select_(q < cap, w * rX[i, kf], Float32(0.0))
+                fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N), (p_warp // MMA_ROWS, 0)),
+                                     sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
 
             # The drafts' B (once per group) and dt records.
             if ptile == 0 and warp == 0:

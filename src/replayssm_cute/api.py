@@ -14,8 +14,9 @@ with any row stride), raw gates ``a, b (b, HV)``, ``A_log, dt_bias (HV,)``, opti
 (default ``K ** -0.5``); the kernel L2-normalises q and k and forms the gates itself.
 
 Everything is checked before anything is written; nothing is cast behind the caller's back.
-Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates), which
-synchronises, so it is off by default and must stay off under CUDA-graph capture.
+Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates) and the
+``cu_seqlens`` of verify's packed form, which synchronises, so it is off by default and is skipped
+under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -205,6 +206,61 @@ def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
     return out
 
 
+def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts) -> tuple:
+    """(batch, T) of a packed verify call, from tensor metadata only, so it captures in a CUDA
+    graph: batch from slot_ids, cu_seqlens (batch + 1,) int32 on the cache's device, T =
+    num_drafts. Debug mode also reads cu_seqlens back (synchronises) to check every row holds
+    exactly T tokens."""
+    device = cache.checkpoint.device
+    if not isinstance(slot_ids, torch.Tensor) or slot_ids.dim() != 1:
+        _fail("slot_ids", "an int32 tensor of shape (batch,)", getattr(slot_ids, "shape", type(slot_ids).__name__))
+    bsz = slot_ids.shape[0]
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _fail("cu_seqlens", f"an int32 tensor of shape ({bsz + 1},) (batch + 1) alongside num_drafts",
+              type(cu_seqlens).__name__)
+    if cu_seqlens.dtype != torch.int32:
+        _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype)
+    if tuple(cu_seqlens.shape) != (bsz + 1,):
+        _fail("cu_seqlens", f"shape ({bsz + 1},) (batch + 1, batch = len(slot_ids))", tuple(cu_seqlens.shape))
+    if cu_seqlens.device != device:
+        _fail("cu_seqlens", f"a tensor on {device}", cu_seqlens.device)
+    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
+        _fail("num_drafts", "a Python int (the T every row was drafted with) alongside cu_seqlens",
+              type(num_drafts).__name__)
+    if not 1 <= num_drafts <= min(cache.max_draft, cache.window):
+        _fail("num_drafts", f"1 <= num_drafts <= min(max_draft {cache.max_draft}, window {cache.window})",
+              num_drafts)
+    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        bounds = cu_seqlens.tolist()
+        wrong = [(i, n) for i, n in enumerate(e - s for s, e in zip(bounds, bounds[1:])) if n != num_drafts]
+        if bounds[0] != 0 or wrong:
+            got = f"cu_seqlens[0] = {bounds[0]}" if bounds[0] != 0 else f"row {wrong[0][0]} with {wrong[0][1]} tokens"
+            _fail("cu_seqlens", f"arange(batch + 1) * {num_drafts}: every row verifies exactly num_drafts = "
+                  f"{num_drafts} tokens (rows with fewer are not supported)", got)
+    return bsz, num_drafts
+
+
+def _unpack_tokens(name: str, t, bsz: int, T: int, optional: bool = False):
+    """Zero-copy view of packed tokens (bsz * T, ...) as (bsz, T, ...): row r's tokens are packed
+    rows r * T .. r * T + T - 1. The draft axis of the view must be packed, so tokens must follow
+    one another with no gap; inner dims are left to the dense checks."""
+    if t is None and optional:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        _fail(name, f"a packed (total_tokens, ...) tensor, total_tokens = batch * num_drafts = {bsz * T}",
+              getattr(t, "shape", type(t).__name__))
+    if t.shape[0] != bsz * T:
+        _fail(name, f"total_tokens = batch {bsz} * num_drafts {T} = {bsz * T} packed tokens on axis 0",
+              f"shape {tuple(t.shape)}")
+    # One token's extent: its elements span this many, stride-0 (expanded) dims spanning none.
+    token_stride = max(1, 1 + sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])))
+    if bsz * T > 1 and t.stride(0) != token_stride:
+        _fail(name, f"tokens packed back to back (token stride {token_stride}; copy a column slice with "
+              f".contiguous())", f"strides {t.stride()}")
+    return t.as_strided((bsz, T) + tuple(t.shape[1:]), (T * token_stride, token_stride) + tuple(t.stride()[1:]),
+                        t.storage_offset())
+
+
 def verify(cache, *args, **kwargs):
     """Speculative verification of T draft tokens per row; returns ``out`` (b, T, ...).
 
@@ -223,6 +279,16 @@ def verify(cache, *args, **kwargs):
     behind the committed ones; a row with h + T > window first folds its committed records into
     the checkpoint (one state write). Follow every verify with :func:`commit` before the next
     step: between the two, a slot's cursor and origin are internal.
+
+    Packed (varlen) form, as serving engines lay out drafts: pass ``cu_seqlens`` (an int32 tensor
+    (b + 1,) on the cache's device) and ``num_drafts`` (the Python int T every row was drafted
+    with; kernels are compiled per T) as keywords, with every token tensor and ``out`` laid out
+    (total_tokens, ...), row i's tokens at cu_seqlens[i]:cu_seqlens[i + 1]; ``out`` comes back
+    packed. Every row must hold exactly T tokens (cu_seqlens = arange(b + 1) * T); the tokens are
+    viewed as (b, T, ...) without a copy, so they must be packed back to back (a column slice of
+    a wider buffer needs ``.contiguous()``). cu_seqlens is never read on the host (CUDA-graph
+    capturable): total_tokens == b * T is checked from shapes, and ``REPLAYSSM_CUTE_DEBUG=1``
+    also checks cu_seqlens == arange(b + 1) * T, which synchronises.
     """
     if isinstance(cache, Mamba2Cache):
         return _named("verify", _verify_mamba2, cache, *args, **kwargs)
@@ -232,9 +298,14 @@ def verify(cache, *args, **kwargs):
 
 
 def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-                   out=None, *, config=None):
+                   out=None, *, config=None, cu_seqlens=None, num_drafts=None):
     if cache.max_draft < 1:
         _fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
+    packed_out = out
+    if cu_seqlens is not None or num_drafts is not None:
+        bsz, T = _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts)
+        x, dt, B, C = (_unpack_tokens(n, t, bsz, T) for n, t in (("x", x), ("dt", dt), ("B", B), ("C", C)))
+        z, out = (_unpack_tokens(n, t, bsz, T, optional=True) for n, t in (("z", z), ("out", out)))
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
     b, T = x.shape[:2]
@@ -255,7 +326,15 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
         kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
                cache.ring_dt, cache.cursor, cache.origin)
     cache.pending_drafts = T  # what the next commit applies, once the step has run
-    return out
+    return _verify_result(out, packed_out, cu_seqlens)
+
+
+def _verify_result(out, packed_out, cu_seqlens):
+    """verify's return value: the caller's packed ``out`` (or the allocated one viewed packed)
+    in the packed form, else ``out`` (b, T, ...)."""
+    if cu_seqlens is None:
+        return out
+    return packed_out if packed_out is not None else out.flatten(0, 1)
 
 
 def _named(op: str, fn, *args, **kwargs):
@@ -410,9 +489,15 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
     return out
 
 
-def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None, config=None):
+def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None, config=None,
+                cu_seqlens=None, num_drafts=None):
     if cache.max_draft < 1:
         _fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
+    packed_out = out
+    if cu_seqlens is not None or num_drafts is not None:
+        bsz, T = _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts)
+        q, k, v, a, b = (_unpack_tokens(n, t, bsz, T) for n, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)))
+        out = _unpack_tokens("out", out, bsz, T, optional=True)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
     bsz, T = v.shape[:2]
@@ -431,35 +516,61 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
         kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
                cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
     cache.pending_drafts = T  # what the next commit applies, once the step has run
-    return out
+    return _verify_result(out, packed_out, cu_seqlens)
 
 
-def snapshot_verify(*args, **kwargs):
-    """The conventional speculative baseline on a conventional :class:`Mamba2Cache` (window 1)::
+def snapshot_verify(cache, *args, **kwargs):
+    """The conventional speculative baseline on a conventional cache (window 1). With a
+    :class:`Mamba2Cache`::
 
         snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
                         dt_softplus=False, out=None, *, config=None)  -> out (b, T, H, P)
 
-    Each row's state is read once and the state after each of its T drafts is written to
-    ``snapshots[row, t]`` ((b, T, H, P, N) fp32); the cache is not written (the accepted snapshot
-    becomes the state by copy or pointer switch). Tokens as :func:`verify`."""
-    return _named("snapshot_verify", _snapshot_verify, *args, **kwargs)
+    With a :class:`GDNCache`::
+
+        snapshot_verify(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots, *, scale=None,
+                        out=None, config=None)  -> out (b, T, HV, V)
+
+    Each row's state is read once and the state after each of its T drafts (1 <= T <= 16) is
+    written to ``snapshots[row, t]`` (a contiguous fp32 tensor (b, T) + the state's shape: (H, P,
+    N) or (HV, V, K)); the cache is not written (the accepted snapshot becomes the state by copy
+    or pointer switch). Tokens as :func:`verify`; pad rows leave their ``out`` and ``snapshots``
+    rows untouched."""
+    if isinstance(cache, Mamba2Cache):
+        return _named("snapshot_verify", _snapshot_verify_mamba2, cache, *args, **kwargs)
+    if isinstance(cache, GDNCache):
+        return _named("snapshot_verify", _snapshot_verify_gdn, cache, *args, **kwargs)
+    raise TypeError(f"snapshot_verify: argument 'cache': expected a Mamba2Cache or a GDNCache, "
+                    f"got {type(cache).__name__}")
 
 
-def _snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
-                     dt_softplus=False, out=None, *, config=None):
-    if not isinstance(cache, Mamba2Cache) or cache.window != 1:
-        _fail("cache", "a conventional Mamba2Cache (window 1)", type(cache).__name__ if not isinstance(
-            cache, Mamba2Cache) else f"window {cache.window}")
+def _check_conventional(cache) -> None:
+    if cache.window != 1:
+        _fail("cache", f"a conventional {type(cache).__name__} (window 1)", f"window {cache.window}")
+
+
+def _check_snapshots(cache, snapshots, b: int, T: int, tokens: str) -> None:
+    """The draft count (named after the token tensor `tokens`) and the snapshot buffer."""
+    if not 1 <= T <= 16:
+        _fail(tokens, "1 <= T <= 16 drafts", T)
+    device = cache.checkpoint.device
+    shape = (b, T) + tuple(cache.checkpoint.shape[1:])
+    if not isinstance(snapshots, torch.Tensor):
+        _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}", type(snapshots).__name__)
+    if (tuple(snapshots.shape) != shape or snapshots.dtype != torch.float32 or snapshots.device != device
+            or not snapshots.is_contiguous()):
+        _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}",
+              f"{snapshots.dtype} {tuple(snapshots.shape)} on {snapshots.device}, strides {snapshots.stride()}")
+
+
+def _snapshot_verify_mamba2(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
+                            dt_softplus=False, out=None, *, config=None):
+    _check_conventional(cache)
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
     b, T = x.shape[:2]
+    _check_snapshots(cache, snapshots, b, T, "x")
     device = cache.checkpoint.device
-    shape = (b, T, cache.nheads, cache.headdim, cache.dstate)
-    if (not isinstance(snapshots, torch.Tensor) or tuple(snapshots.shape) != shape or snapshots.dtype != torch.float32
-            or snapshots.device != device or not snapshots.is_contiguous()):
-        _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}",
-              f"{getattr(snapshots, 'dtype', type(snapshots).__name__)} {tuple(getattr(snapshots, 'shape', ()))}")
     if b == 0:
         return out
     if device.type == "cpu":
@@ -474,4 +585,28 @@ def _snapshot_verify(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None,
     kernel = mamba2_snapshot_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
                                     dt_softplus, b, config)
     kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, snapshots)
+    return out
+
+
+def _snapshot_verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots, *, scale=None, out=None,
+                         config=None):
+    _check_conventional(cache)
+    q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
+        cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
+    bsz, T = v.shape[:2]
+    _check_snapshots(cache, snapshots, bsz, T, "v")
+    device = cache.checkpoint.device
+    if bsz == 0:
+        return out
+    if device.type == "cpu":
+        from .reference_spec import gdn_snapshot_verify_cache_
+
+        return gdn_snapshot_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots,
+                                          scale=scale, out=out)
+    _check_device(cache, device)
+
+    from .kernels_host import gdn_snapshot_kernel
+
+    kernel = gdn_snapshot_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
+    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, snapshots)
     return out

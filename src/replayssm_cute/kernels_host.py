@@ -131,10 +131,11 @@ def compile_gdn(shape, config):
                      lambda options: compile_decode(shape, config, options))
 
 
-def _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale):
+def _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, window=None, capacity=None):
     return gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
-                     cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
-                     dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
+                     cache.window if window is None else window,
+                     cache.capacity if capacity is None else capacity, cache.dtype, gate_dtype,
+                     A_log_dtype, dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
 
 
 def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
@@ -160,10 +161,23 @@ def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias,
     return _cached_kernel(
         "verify", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_config(cache.headdim, batch, cache.window),
+        lambda shape: default_mamba2_verify_config(cache.headdim, batch),
         lambda shape, cfg: Mamba2Verify.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_verify(shape, cfg, num_drafts, options)))
+
+
+def default_mamba2_verify_config(headdim: int, batch: int):
+    """Verify tiles 16 rows per warp (the MMA's M): one warp per CTA at small batch, where more
+    CTAs per row hide latency, else the whole head (up to 4 warps) so the per-CTA dot GEMM and
+    staging are shared by more rows."""
+    from .kernels.mamba2.decode import Mamba2Config
+
+    if batch > 16:
+        for rows in (64, 32):
+            if headdim % rows == 0:
+                return Mamba2Config(rows_per_cta=rows, num_warps=rows // 16)
+    return Mamba2Config(rows_per_cta=16, num_warps=1)
 
 
 def commit_kernel(cache, num_drafts):
@@ -195,11 +209,15 @@ def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype,
 
 
 def default_gdn_verify_config(head_v_dim: int, batch: int):
-    """Verify keeps T drafts' terms per row in registers: 4-row warps (16-row tiles) keep the
-    register count moderate."""
+    """As ``default_mamba2_verify_config``: 16 rows per warp, one warp per CTA at small batch,
+    else up to 4 warps over the head."""
     from .kernels.gdn.decode import GDNConfig
 
-    return GDNConfig(rows_per_cta=16, num_warps=4) if head_v_dim % 16 == 0 else GDNConfig(16, 1)
+    if batch > 16:
+        for rows in (64, 32):
+            if head_v_dim % rows == 0:
+                return GDNConfig(rows_per_cta=rows, num_warps=rows // 16)
+    return GDNConfig(rows_per_cta=16, num_warps=1)
 
 
 def mamba2_snapshot_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
@@ -219,3 +237,29 @@ def mamba2_snapshot_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bia
         lambda shape, cfg: Mamba2Snapshot.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("mamba2_snapshot", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_snapshot(shape, cfg, num_drafts, options)))
+
+
+def gdn_snapshot_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
+    """The callable of the conventional speculative baseline (state snapshot per draft) on a
+    conventional GDN `cache` (memoised)."""
+    from .kernels.gdn.snapshot import GDNSnapshot, compile_snapshot
+
+    fast_key = ("gdn_snapshot", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
+                cache.num_k_heads, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype, scale,
+                cache.pad_slot_id, batch <= 16, config)
+    return _cached_kernel(
+        "snapshot_verify", fast_key, config,
+        lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, window=1, capacity=1),
+        lambda shape: default_gdn_snapshot_config(cache.head_v_dim, batch),
+        lambda shape, cfg: GDNSnapshot.check(shape, cfg, num_drafts),
+        lambda shape, cfg: _compiled("gdn_snapshot", shape.key() + cfg.key() + (num_drafts,),
+                                     lambda options: compile_snapshot(shape, cfg, num_drafts, options)))
+
+
+def default_gdn_snapshot_config(head_v_dim: int, batch: int):
+    """At most 8 rows per warp (a warp keeps its rows in registers across the drafts): 16-row
+    tiles at batch <= 16, where more CTAs per row hide latency, else 32-row tiles where they
+    divide head_v_dim."""
+    from .kernels.gdn.decode import GDNConfig
+
+    return GDNConfig(16, 4) if batch <= 16 or head_v_dim % 32 else GDNConfig(32, 4)

@@ -47,7 +47,7 @@ class _Layer:
         function of (cache, T, its arguments for the pool's inputs, batch, config) that the API
         calls, those arguments, the kernel's check(shape, config, T), the API's default-config
         function of (headdim, batch, window), or None where the API picks it inline), imported
-        on demand; None where the layer has no such kernel."""
+        on demand."""
         raise NotImplementedError
 
     @staticmethod
@@ -101,11 +101,6 @@ class _Layer:
         return cls._kernel()[4](m.headdim, batch, window)
 
     @classmethod
-    def has_speculative_kernel(cls, window):
-        """Whether the layer has the kernel of ``_speculative(window)``."""
-        return cls._speculative(window) is not None
-
-    @classmethod
     def speculative_kernel(cls, cache, drafts, batch, config=None):
         """The kernel that a verify() (ring cache) or snapshot_verify() (conventional cache) of
         T = ``drafts`` with the pool's inputs launches on ``cache`` (built, or loaded from the
@@ -152,9 +147,10 @@ class _Mamba2Layer(_Layer):
         args = _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, dt_softplus
         if window > 1:
             from .kernels.mamba2.verify import Mamba2Verify
-            from .kernels_host import default_mamba2_config, mamba2_verify_kernel
+            from .kernels_host import default_mamba2_verify_config, mamba2_verify_kernel
 
-            return mamba2_verify_kernel, args, Mamba2Verify.check, default_mamba2_config
+            return (mamba2_verify_kernel, args, Mamba2Verify.check,
+                    lambda headdim, batch, window: default_mamba2_verify_config(headdim, batch))
         from .kernels.mamba2.snapshot import Mamba2Snapshot
         from .kernels_host import mamba2_snapshot_kernel
 
@@ -211,16 +207,19 @@ class _GDNLayer(_Layer):
 
     @staticmethod
     def _speculative(window):
-        if window == 1:
-            return None  # no snapshot-baseline kernel for GDN
-        from .kernels.gdn.verify import GDNVerify
-        from .kernels_host import default_gdn_verify_config, gdn_verify_kernel
-
-        def default_config(headdim, batch, window):  # verify's GDN default takes no window
-            return default_gdn_verify_config(headdim, batch)
-
         args = _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
-        return gdn_verify_kernel, args, GDNVerify.check, default_config
+        if window > 1:
+            from .kernels.gdn.verify import GDNVerify
+            from .kernels_host import default_gdn_verify_config, gdn_verify_kernel
+
+            def default_config(headdim, batch, window):  # verify's GDN default takes no window
+                return default_gdn_verify_config(headdim, batch)
+
+            return gdn_verify_kernel, args, GDNVerify.check, default_config
+        from .kernels.gdn.snapshot import GDNSnapshot
+        from .kernels_host import gdn_snapshot_kernel
+
+        return gdn_snapshot_kernel, args, GDNSnapshot.check, None
 
     @staticmethod
     def _gates(head_shape, a_shape, gen, device):

@@ -206,7 +206,8 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
         def decode_config(batch, shape):
             return kh.default_mamba2_config(model.headdim, batch, window)
 
-        verify_config = decode_config
+        def verify_config(batch, shape):
+            return kh.default_mamba2_verify_config(model.headdim, batch)
 
     def configs(choose, shape):
         return sorted({choose(b, shape) for b in _BATCHES}, key=lambda c: c.key())
