@@ -269,13 +269,13 @@ for name in cases:
 def _draft_kernels(model, drafts, with_decode, large_only):
     """precompile.draft_variants at WINDOW, bf16: verify and commit, the decode kernels on the draft
     cache if `with_decode`, only the large-batch launch config if `large_only`."""
-    from replayssm_cute.kernels_host import default_mamba2_config
+    from replayssm_cute.kernels_host import default_mamba2_config, default_mamba2_verify_config
     from replayssm_cute.precompile import draft_variants
 
     m = get_model(model)
-    large = default_mamba2_config(m.headdim, 1024, WINDOW)
+    large = (default_mamba2_config(m.headdim, 1024, WINDOW), default_mamba2_verify_config(m.headdim, 1024))
     return [v for v in draft_variants(m, WINDOW, drafts, ["bf16"])
-            if (v.kind != "decode" or with_decode) and (v.config in (None, large) or not large_only)]
+            if (v.kind != "decode" or with_decode) and (v.config is None or v.config in large or not large_only)]
 
 
 class DraftBuild:
@@ -385,12 +385,11 @@ def test_draft_ptxas_reports_no_spills(draft_build):
 
 def test_verify_draft_range():
     """Which draft counts the verify kernel takes (no compile): 1 <= T <= min(16, max_draft, window),
-    window >= 2 and window + max_draft <= 32; precompile --drafts refuses the rest before building.
-    (Within the range, T = 16 at window 16 compiles but spills registers today.)"""
+    window >= 2 and window + max_draft <= 32; precompile --drafts refuses the rest before building."""
     import torch
 
     from replayssm_cute.kernels.mamba2.verify import Mamba2Verify
-    from replayssm_cute.kernels_host import default_mamba2_config, mamba2_shape
+    from replayssm_cute.kernels_host import default_mamba2_verify_config, mamba2_shape
     from replayssm_cute.precompile import _option_error, draft_variants
 
     m = get_model("nemotron-super")
@@ -398,7 +397,7 @@ def test_verify_draft_range():
     def reason(window, max_draft, T, batch=1024):
         shape = mamba2_shape(m.nheads, m.headdim, m.dstate, m.ngroups, window, window + max_draft,
                              torch.bfloat16, torch.bfloat16, True, False, True, True, -1)
-        return Mamba2Verify.check(shape, default_mamba2_config(m.headdim, batch, window), T)
+        return Mamba2Verify.check(shape, default_mamba2_verify_config(m.headdim, batch), T)
 
     for window, max_draft in ((16, 16), (16, 8), (4, 8), (24, 8), (2, 1)):
         for batch in (1, 1024):

@@ -336,12 +336,12 @@ def test_mamba2_precompiles_with_drafts(tmp_path):
 @pytest.mark.parametrize("with_z", [False, True])
 def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, with_z):
     """The draft cache (max_draft = max T) shape as decode / verify build it for a Mamba2Cache with
-    the engines' usual arguments, decode's default launch configs for small and large batches
-    (verify uses the same), the commit shape per T; one label each."""
+    the engines' usual arguments, decode's and verify's default launch configs for small and large
+    batches, the commit shape per T; one label each."""
     import torch
 
     from replayssm_cute.kernels.commit import CommitShape
-    from replayssm_cute.kernels_host import default_mamba2_config, mamba2_shape
+    from replayssm_cute.kernels_host import default_mamba2_config, default_mamba2_verify_config, mamba2_shape
 
     m = get_model(name)
     got = precompile.draft_variants(m, window, drafts, ["bf16", "fp16"], with_z=with_z)
@@ -352,10 +352,12 @@ def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, 
                              True, with_z, True, True, -1)
         cfgs = sorted({default_mamba2_config(m.headdim, b, window) for b in (1, 16, 17, 4096)},
                       key=lambda c: c.key())
+        verify_cfgs = sorted({default_mamba2_verify_config(m.headdim, b) for b in (1, 16, 17, 4096)},
+                             key=lambda c: c.key())
         cache = f"L{window}_maxdraft{D}"
         want += [(f"mamba2_replay_{cache}_{d}_{precompile.config_label(c)}", "decode", shape, c, 0) for c in cfgs]
         want += [(f"mamba2_verify_{cache}_T{T}_{d}_{precompile.config_label(c)}", "verify", shape, c, T)
-                 for T in Ts for c in cfgs]
+                 for T in Ts for c in verify_cfgs]
     want += [(f"mamba2_commit_{cache}_T{T}", "commit", CommitShape(window, window + D, T, -1), None, T) for T in Ts]
     assert [tuple(v) for v in got] == want
     assert len({v.label for v in got}) == len(got)

@@ -42,7 +42,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 """
 
 from dataclasses import dataclass
-from typing import Optional, Type
+from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -50,6 +50,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
+from ..config_space import config_space
 from .common import gdn_gates, normalize_qk
 
 
@@ -115,6 +116,13 @@ class GDNConfig:
 
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
+
+    @classmethod
+    def space(cls, head_v_dim: int) -> List["GDNConfig"]:
+        """The launch configs the autotuner tries at this head_v_dim, before a kernel's check
+        (config_space): the decode kernel keeps those its ``check`` takes, verify and the
+        snapshot baseline those theirs do."""
+        return config_space(cls, head_v_dim)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         """None if valid for the decode kernel on `shape`, else the reason."""

@@ -38,7 +38,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 """
 
 from dataclasses import dataclass
-from typing import Optional, Type
+from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
@@ -47,6 +47,7 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many,
                       warp_sum)
+from ..config_space import config_space
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,13 @@ class Mamba2Config:
 
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
+
+    @classmethod
+    def space(cls, headdim: int) -> List["Mamba2Config"]:
+        """The launch configs the autotuner tries at this headdim, before a kernel's check
+        (config_space): the decode kernel keeps those its ``check`` takes, verify and the
+        snapshot baseline those theirs do."""
+        return config_space(cls, headdim)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         """None if valid for `shape`, else the reason."""

@@ -112,7 +112,8 @@ def decode(cache, *args, **kwargs):
     (pass ``q = k = v = None`` and ``mixed_qkv`` for the packed layout). Window 1 is conventional
     decoding (state load, update, store), window L > 1 is ReplaySSM standard decoding. ``config``
     overrides the launch configuration (a ``Mamba2Config`` / ``GDNConfig``); by default the
-    analytical choice for the batch size.
+    tuned one for the batch size's bucket (``replayssm_cute.tuning``; verify alike), else the
+    analytical choice for it.
     """
     if isinstance(cache, Mamba2Cache):
         return _decode_mamba2(cache, *args, **kwargs)
@@ -133,6 +134,11 @@ def _slot_ids(slot_ids, b: int, device) -> torch.Tensor:
 def _check_device(cache, device) -> None:
     if device.type != "cuda":
         _fail("cache", "a cache on a CUDA device or the CPU", device)
+    if not getattr(cache, "is_plain", True):  # checkpoint_format / read_copy / flush_corrections
+        raise NotImplementedError(
+            "argument 'cache': low-precision and two-precision caches run on the CPU reference only "
+            "(replayssm_cute.reference_lowprec); their GPU kernels are not written yet"
+        )
 
 
 def _mamba2_inputs(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts: bool):

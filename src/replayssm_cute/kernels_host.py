@@ -1,4 +1,5 @@
-"""Host side of the kernels: torch -> CuTe dtypes, analytical launch configs, compiled-kernel lookup.
+"""Host side of the kernels: torch -> CuTe dtypes, launch configs (analytical defaults, or the tuned
+ones of replayssm_cute.tuning), compiled-kernel lookup.
 
 Kept apart from api.py so that importing the package never imports cutlass; only the first CUDA
 call (or precompile) does.
@@ -6,7 +7,11 @@ call (or precompile) does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from .tuning import batch_bucket, tuned_fields
 
 _CUTE_DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
 _fast: dict = {}
@@ -49,19 +54,44 @@ def _compiled(name, key, build):
     return get_compiled(name, key, lambda: build(compile_options()))
 
 
-def _cached_kernel(op, fast_key, config, make_shape, default_config, check, compile_fn):
-    """The callable memoised on `fast_key`; on a miss: the static shape, `config` or the
-    default for it, its check (errors name `op` and the argument at fault), then compile."""
+def _cached_kernel(op, fast_key, config, make_shape, default_config, check, compile_fn, tuned_as=None):
+    """The callable memoised on `fast_key`; on a miss: the static shape, then `config`, else the
+    tuned config of `tuned_as` = (kernel, num_drafts, batch bucket) if there is one the shape
+    takes (``_tuned_or_default``), else the default for it; its check (errors name `op` and the
+    argument at fault), then compile."""
     kernel = _fast.get(fast_key)
     if kernel is None:
         shape = make_shape()
-        cfg = config if config is not None else default_config(shape)
+        cfg = config
+        if cfg is None:
+            cfg = default_config(shape)
+            if tuned_as is not None:
+                cfg = _tuned_or_default(cfg, shape, check, *tuned_as)
         reason = check(shape, cfg)
         if reason is not None:
             arg = "config" if config is not None else "cache"
             raise ValueError(f"{op}: argument '{arg}': the GPU kernel cannot take it: {reason}")
         kernel = _fast[fast_key] = compile_fn(shape, cfg)
     return kernel
+
+
+def _tuned_or_default(default, shape, check, kernel, num_drafts, bucket):
+    """The tuned launch config of `kernel` for `shape`, T = `num_drafts` and this batch bucket
+    (replayssm_cute.tuning) if one is cached and passes `check`, else `default`."""
+    fields = tuned_fields(kernel, shape, num_drafts, bucket)
+    if fields is None:
+        return default
+    try:
+        tuned = dataclasses.replace(default, **fields)
+    except TypeError:  # a field this version's config class does not have (a stale file)
+        return default
+    return tuned if check(shape, tuned) is None else default
+
+
+def forget_picked_configs() -> None:
+    """Drop the memoised kernels so that the next calls pick their configs again (after the
+    tuned configs changed); the compiled kernels stay in the compile cache."""
+    _fast.clear()
 
 
 def compile_mamba2(shape, config):
@@ -81,15 +111,17 @@ def _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
 
 def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable for one decode step of `cache` (memoised on a tensor-free tuple)."""
+    bucket = batch_bucket(batch)
     fast_key = (cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
                 cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
-                cache.pad_slot_id, batch <= 16, config)
+                cache.pad_slot_id, bucket, config)
     return _cached_kernel(
         "decode", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_config(cache.headdim, batch, cache.window),
+        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window),
         lambda shape, cfg: cfg.check(shape),
-        lambda shape, cfg: compile_mamba2(shape, cfg))
+        lambda shape, cfg: compile_mamba2(shape, cfg),
+        ("mamba2_decode", 0, bucket))
 
 
 def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None):
@@ -140,31 +172,35 @@ def _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, windo
 
 def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
     """The callable for one GDN decode step of `cache` (memoised on a tensor-free tuple)."""
+    bucket = batch_bucket(batch)
     fast_key = ("gdn", cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
                 cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype,
-                scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
+                scale, cache.keep_v_beta, cache.pad_slot_id, bucket, config)
     return _cached_kernel(
         "decode", fast_key, config,
         lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_config(cache.head_v_dim, batch, cache.window, shape),
+        lambda shape: default_gdn_config(cache.head_v_dim, bucket, cache.window, shape),
         lambda shape, cfg: cfg.check(shape),
-        lambda shape, cfg: compile_gdn(shape, cfg))
+        lambda shape, cfg: compile_gdn(shape, cfg),
+        ("gdn_decode", 0, bucket))
 
 
 def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable for one verify step of `num_drafts` drafts on a Mamba-2 `cache` (memoised)."""
     from .kernels.mamba2.verify import Mamba2Verify, compile_verify
 
+    bucket = batch_bucket(batch)
     fast_key = ("mamba2_verify", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                 cache.window, cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
-                dt_softplus, cache.pad_slot_id, batch <= 16, config)
+                dt_softplus, cache.pad_slot_id, bucket, config)
     return _cached_kernel(
         "verify", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_verify_config(cache.headdim, batch),
+        lambda shape: default_mamba2_verify_config(cache.headdim, bucket),
         lambda shape, cfg: Mamba2Verify.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
-                                     lambda options: compile_verify(shape, cfg, num_drafts, options)))
+                                     lambda options: compile_verify(shape, cfg, num_drafts, options)),
+        ("mamba2_verify", num_drafts, bucket))
 
 
 def default_mamba2_verify_config(headdim: int, batch: int):
@@ -196,16 +232,18 @@ def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype,
     """The callable for one verify step of `num_drafts` drafts on a GDN `cache` (memoised)."""
     from .kernels.gdn.verify import GDNVerify, compile_verify
 
+    bucket = batch_bucket(batch)
     fast_key = ("gdn_verify", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
                 cache.num_k_heads, cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
-                dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, batch <= 16, config)
+                dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, bucket, config)
     return _cached_kernel(
         "verify", fast_key, config,
         lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_verify_config(cache.head_v_dim, batch),
+        lambda shape: default_gdn_verify_config(cache.head_v_dim, bucket),
         lambda shape, cfg: GDNVerify.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("gdn_verify", shape.key() + cfg.key() + (num_drafts,),
-                                     lambda options: compile_verify(shape, cfg, num_drafts, options)))
+                                     lambda options: compile_verify(shape, cfg, num_drafts, options)),
+        ("gdn_verify", num_drafts, bucket))
 
 
 def default_gdn_verify_config(head_v_dim: int, batch: int):

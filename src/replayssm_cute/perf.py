@@ -70,12 +70,14 @@ class _Layer:
         return e, act
 
     @classmethod
-    def cache(cls, m, slots, window, device, drafts=0):
-        """The pool's cache; with a ring (window > 1) it has room for `drafts` drafts."""
+    def cache(cls, m, slots, window, device, drafts=0, dtype=None):
+        """The pool's cache (activation `dtype`, default bf16); with a ring (window > 1) it has
+        room for `drafts` drafts."""
         import torch
 
         return cls._cache_class()(slots, m.nheads, m.headdim, m.dstate, m.ngroups, window=window,
-                                  max_draft=drafts if window > 1 else 0, dtype=torch.bfloat16, device=device)
+                                  max_draft=drafts if window > 1 else 0, dtype=dtype or torch.bfloat16,
+                                  device=device)
 
     @classmethod
     def kernel_shape(cls, m, window, drafts=0):
@@ -441,11 +443,12 @@ class DecodePool:
     random inputs with realistic decays, rings filled with plausible records. With `stagger`,
     row r of every set starts at ring position r mod L. With `drafts` T > 0 the inputs are T
     tokens per row and the rings have room for T drafts: ``verify_fn`` steps verify + commit, or
-    with window 1 ``snapshot_fn`` the conventional snapshot baseline. `device` and
-    `rotation_bytes` are for tests (a CPU pool steps through the float64 reference)."""
+    with window 1 ``snapshot_fn`` the conventional snapshot baseline. `dtype` (fp16, fp32)
+    replaces bf16 for the cache and every bf16 input (the autotuner's other activation dtypes).
+    `device` and `rotation_bytes` are for tests (a CPU pool steps through the float64 reference)."""
 
     def __init__(self, model, batch, window, stagger=False, seed=0, *, drafts=0, device="cuda",
-                 rotation_bytes=ROTATION_BYTES):
+                 rotation_bytes=ROTATION_BYTES, dtype=None):
         import torch
 
         layer = bench_layer(model)
@@ -456,7 +459,7 @@ class DecodePool:
         slots = self.nsets * batch
         dev = torch.device(device)
         gen = torch.Generator(device=dev).manual_seed(seed)
-        self.cache = layer.cache(model, slots, window, dev, drafts)
+        self.cache = layer.cache(model, slots, window, dev, drafts, dtype)
         self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
         if window > 1:
             layer.fill_ring(self.cache, gen)
@@ -466,6 +469,9 @@ class DecodePool:
         self.sets = [torch.arange(i * batch, (i + 1) * batch, dtype=torch.int32, device=dev)
                      for i in range(self.nsets)]
         self.inputs = layer.inputs(model, batch, gen, dev, drafts)  # the API's keyword arguments
+        if dtype is not None:
+            self.inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                           for k, v in self.inputs.items()}
         self.out = self.inputs["out"]
 
     def step(self, slot_ids, config=None):

@@ -1,0 +1,43 @@
+"""Launch-config spaces for the autotuner (replayssm_cute.tune), shared by every kernel.
+
+Every kernel here takes the same three knobs (Mamba2Config and GDNConfig): rows_per_cta state
+rows of one head per CTA, num_warps warps splitting them, and min_ctas_per_sm, which caps
+registers so that many CTAs fit on an SM. ``config_space`` lists the combinations worth timing
+for a head of ``rows`` state rows; each kernel's own check (shared memory, rows per warp, ring
+capacity, ...) then keeps those it takes. Pure Python: no cutlass, no GPU.
+"""
+
+from typing import List
+
+TUNE_NUM_WARPS = tuple(range(1, 9))
+TUNE_MIN_CTAS_PER_SM = (0, 2, 4, 6)
+MIN_TILE_ROWS = 8  # smaller tiles launch more CTAs than rows are worth (at least one warp each)
+
+REGISTERS_PER_SM = 64 * 1024  # sm_90 / sm_100 / sm_103
+THREADS_PER_SM = 2048
+MAX_REGISTERS_PER_THREAD = 255
+# Below this a capped kernel spills its per-lane state: such configs are not worth compiling.
+MIN_REGISTERS_PER_THREAD = 64
+
+
+def register_budget(num_warps: int, min_ctas_per_sm: int) -> int:
+    """Registers per thread the compiler may use when min_ctas_per_sm CTAs of num_warps warps
+    must fit on an SM (allocated per warp in steps of 8 per thread); 0 if their threads do not
+    fit at all; MAX_REGISTERS_PER_THREAD without a cap (min_ctas_per_sm 0)."""
+    if min_ctas_per_sm == 0:
+        return MAX_REGISTERS_PER_THREAD
+    threads = min_ctas_per_sm * num_warps * 32
+    if threads > THREADS_PER_SM:
+        return 0
+    return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // threads // 8 * 8)
+
+
+def config_space(config_cls, rows: int) -> List:
+    """Every config_cls(rows_per_cta, num_warps, min_ctas_per_sm) worth timing for heads of
+    `rows` state rows, before a kernel's check: rows_per_cta over the divisors of `rows` from
+    MIN_TILE_ROWS up, num_warps in TUNE_NUM_WARPS dividing it, min_ctas_per_sm in
+    TUNE_MIN_CTAS_PER_SM where the register cap leaves at least MIN_REGISTERS_PER_THREAD."""
+    return [config_cls(rows_per_cta=tile, num_warps=warps, min_ctas_per_sm=ctas)
+            for tile in range(MIN_TILE_ROWS, rows + 1) if rows % tile == 0
+            for warps in TUNE_NUM_WARPS if tile % warps == 0
+            for ctas in TUNE_MIN_CTAS_PER_SM if register_budget(warps, ctas) >= MIN_REGISTERS_PER_THREAD]

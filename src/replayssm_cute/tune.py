@@ -1,0 +1,616 @@
+"""Autotune the launch configs of a layer's kernels per batch bucket and cache the best (GPU).
+
+    python -m replayssm_cute.tune --model nemotron-super [--batch 1,64,256]
+        [--modes conventional,standard,verify] [--window 16] [--drafts 4,8] [--dtypes bf16,fp16]
+        [--out FILE] [--replays 15] [--workers N] [--pool-mb 512] [--compile-only]
+    python -m replayssm_cute.tune --shape mamba2:128,64,128,8 ...     # explicit layer dims
+
+--model takes the registry names of replayssm_cute.models (replayssm.md section 7), several
+separated by commas; --shape takes explicit dims instead: mamba2:H,P,N,G (heads, headdim,
+dstate, groups) or gdn:HV,V,K,H (value heads, V, K, key heads). Modes: conventional (the
+window-1 step), standard (ReplaySSM decode at --window) and verify (verify + commit of T
+drafts at --window, for each T of --drafts); default conventional,standard. Batches are
+buckets, powers of two up to 1024 (default: all of them).
+
+For each kernel, activation dtype and batch bucket:
+1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
+   the kernel's check takes (shared memory, register cap, divisibility), the analytical default
+   among them. All are compiled first, in parallel worker processes (cute.compile is not
+   thread-safe), into the on-disk compile cache; one that fails to compile is dropped.
+2. each candidate runs a whole window on a small pool (ring positions 0..L-1, flush included;
+   whole cursor cycles of verify + commit at a = 1 and a = T drafts accepted) from the same
+   state as the default config; one whose outputs or final state differ from the default's is
+   rejected.
+3. timing as shared/docs/performance.md asks: median over CUDA-graph replays of whole windows
+   (verify: whole cursor cycles, the mean of a = 1 and a = T) over a pool that rotates through
+   --pool-mb MiB of slots, so every step streams its checkpoint from HBM. Every candidate gets
+   SCREEN_REPLAYS replays; the FINALISTS fastest and the default are timed again with
+   --replays; the fastest of those wins.
+
+The winners, with their times, go to --out (default: the user's tuned-config file, see
+replayssm_cute.tuning), merged with what is there; decode and verify use them from then on,
+this process included. The summary gives per kernel and batch the best config, its time, the
+achieved TB/s on the ideal bytes (perf.ideal_bytes, perf.verify_ideal_bytes: 16-bit
+activations) and the speedup over the analytical default. --compile-only builds the candidates
+and stops (no GPU needed with CUTE_DSL_ARCH set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .models import MODELS, ModelSpec, get_model
+from .precompile import config_label
+from .tuning import BATCH_BUCKETS, MODES
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
+DEFAULT_MODES = "conventional,standard"
+MAX_DRAFTS = 16  # verify's limit
+MAX_RING = 32  # window + drafts: one lane per ring record
+SCREEN_REPLAYS = 3
+FINALISTS = 4
+# Candidate outputs must match the default config's to this fraction of the largest magnitude
+# (tilings differ in summation order only: a few ulps of a 16-bit output, far less in fp32).
+RTOL_16BIT = 1e-2
+RTOL_FP32 = 1e-4
+NO_GPU = ("{prog}: no CUDA GPU found (torch.cuda.is_available() is False); tuning times the kernels "
+          "on the GPU it tunes for, so run it there. Until then decode and verify use the shipped "
+          "tuned configs or the analytical defaults. Without a GPU, --compile-only (with "
+          "CUTE_DSL_ARCH=sm_90a, sm_100a or sm_103a) builds the candidate kernels into the compile cache.")
+PROG = "python -m replayssm_cute.tune"
+
+
+@dataclass(frozen=True)
+class TuneTarget:
+    """One kernel to tune: a layer, a mode, its window (1 for conventional) and draft count (T
+    for verify, else 0), an activation dtype (a key of DTYPES)."""
+
+    model: ModelSpec
+    mode: str
+    window: int
+    num_drafts: int
+    dtype: str
+
+    @property
+    def kernel(self) -> str:
+        """Its kernel's name in the tuned-config files (tuning.KERNELS)."""
+        return f"{self.model.layer}_{'verify' if self.mode == 'verify' else 'decode'}"
+
+    @property
+    def label(self) -> str:
+        mode = {"conventional": "conventional", "standard": f"standard L{self.window}",
+                "verify": f"verify L{self.window} T{self.num_drafts}"}[self.mode]
+        return f"{self.model.name} {mode} {self.dtype}"
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    def pool(self, batch: int, rotation_bytes: int):
+        """The timing pool (perf.DecodePool) of this kernel at `batch` in this dtype."""
+        from .perf import DecodePool
+
+        return DecodePool(self.model, batch, self.window, drafts=self.num_drafts, rotation_bytes=rotation_bytes,
+                          dtype=self.torch_dtype())
+
+    def shape(self):
+        """The kernel shape decode / verify build for the pool's inputs: perf's bf16 shape with
+        every bf16 field in this dtype, as the pool casts every bf16 input."""
+        import torch
+
+        from .kernels_host import cute_dtype
+        from .perf import bench_layer
+
+        shape = bench_layer(self.model).kernel_shape(self.model, self.window, self.num_drafts)
+        bf16, dtype = cute_dtype(torch.bfloat16), cute_dtype(self.torch_dtype())
+        return dataclasses.replace(shape, **{f.name: dtype for f in dataclasses.fields(shape)
+                                             if getattr(shape, f.name) is bf16})
+
+    def check(self, config) -> Optional[str]:
+        """Why the kernel cannot take `config` at this shape, or None."""
+        shape = self.shape()
+        if self.mode != "verify":
+            return config.check(shape)
+        if self.model.layer == "gdn":
+            from .kernels.gdn.verify import GDNVerify as Verify
+        else:
+            from .kernels.mamba2.verify import Mamba2Verify as Verify
+        return Verify.check(shape, config, self.num_drafts)
+
+    def default_config(self, batch: int):
+        """The analytical default decode / verify pick at this batch (kernels_host)."""
+        from . import kernels_host as kh
+
+        P = self.model.headdim
+        if self.mode == "verify":
+            choose = kh.default_gdn_verify_config if self.model.layer == "gdn" else kh.default_mamba2_verify_config
+            return choose(P, batch)
+        if self.model.layer == "gdn":
+            return kh.default_gdn_config(P, batch, self.window, self.shape())
+        return kh.default_mamba2_config(P, batch, self.window)
+
+    def candidates(self) -> list:
+        """The layer config class's space (kernels/config_space.py) that the kernel takes."""
+        if self.model.layer == "gdn":
+            from .kernels.gdn.decode import GDNConfig as Config
+        else:
+            from .kernels.mamba2.decode import Mamba2Config as Config
+        return [c for c in Config.space(self.model.headdim) if self.check(c) is None]
+
+    def compile(self, config):
+        """Build (or load) the kernel at `config` through the calls decode / verify make, so
+        that the compile-cache keys are theirs."""
+        from . import precompile
+
+        if self.mode != "verify":
+            return precompile.compile_variant(self.model.layer, self.shape(), config)
+        variant = precompile.DraftVariant(self.label, "verify", self.shape(), config, self.num_drafts)
+        return precompile.compile_draft_variant(self.model.layer, variant)
+
+    def accepted_counts(self) -> List[int]:
+        """Drafts accepted per row in the verify runs: a = 1 and a = T (verify cannot know a)."""
+        return sorted({1, self.num_drafts})
+
+    def ideal_bytes(self, batch: int) -> float:
+        """Ideal bytes per step (perf): the conventional step, the ReplaySSM window mean, or the
+        mean over accepted_counts() of a verify + commit step."""
+        from .perf import ideal_bytes, verify_ideal_bytes
+
+        if self.mode == "verify":
+            per_a = [verify_ideal_bytes(self.model, batch, self.window, self.num_drafts, a)["verify"]
+                     for a in self.accepted_counts()]
+            return sum(per_a) / len(per_a)
+        return ideal_bytes(self.model, batch, self.window)["conventional" if self.window == 1 else "window_mean"]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The winner of one (target, batch) and how it was found."""
+
+    target: TuneTarget
+    batch: int
+    config: object
+    time_us: float
+    default_config: object
+    default_time_us: float
+    timed: int  # candidates timed (passed the output check)
+    rejected: Dict[str, str]  # config label -> why it was rejected
+
+    @property
+    def tbps(self) -> float:
+        return self.target.ideal_bytes(self.batch) / (self.time_us * 1e-6) / 1e12
+
+    @property
+    def speedup(self) -> float:
+        return self.default_time_us / self.time_us
+
+    def entry(self, platform) -> dict:
+        """Its tuned-config file entry (replayssm_cute.tuning) for `platform`."""
+        from .tuning import tune_key
+
+        t = self.target
+        key = tune_key(t.kernel, t.shape(), t.num_drafts, platform)
+        return {**key.fields(self.batch),
+                "config": dataclasses.asdict(self.config), "time_us": round(self.time_us, 3),
+                "tbps": round(self.tbps, 4), "default_config": dataclasses.asdict(self.default_config),
+                "default_time_us": round(self.default_time_us, 3), "speedup": round(self.speedup, 4),
+                "candidates": self.timed, "rejected": len(self.rejected), "model": t.model.name,
+                "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, else a line per tenth of the
+    way (so that logs stay short)."""
+
+    WIDTH = 30
+
+    def __init__(self, title: str, total: int, stream=None):
+        self.title, self.total, self.done = title, max(1, total), 0
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.shown = -1
+
+    def advance(self, note: str = "") -> None:
+        self.done += 1
+        tenth = self.done * 10 // self.total
+        if not self.tty and tenth == self.shown:
+            return
+        self.shown = tenth
+        filled = self.WIDTH * self.done // self.total
+        line = (f"{self.title} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.t0:5.0f} s  {note}")
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K" + ("\n" if self.done >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------- compiling
+
+
+def _init_worker(arch: str) -> None:
+    from .compile_cache import ENV_ARCH
+
+    os.environ[ENV_ARCH] = arch  # before cutlass is imported: the workers never touch the GPU
+
+
+def _compile_job(job) -> Optional[str]:
+    """Build one (target, config) into the compile cache; None, or why it failed."""
+    target, config = job
+    try:
+        target.compile(config)
+    except Exception as e:  # a candidate the compiler rejects is dropped, not fatal
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def compile_candidates(jobs, workers: int, arch: str) -> Dict[tuple, str]:
+    """Build every (target, config) of `jobs`: in `workers` processes through the disk cache
+    (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1.
+    Returns {(target, config): why it failed} for those that did not compile."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from .compile_cache import disk_cache_enabled
+
+    failed = {}
+    progress = Progress(f"compile {len(jobs)} kernels for {arch}", len(jobs))
+    if workers <= 1 or not disk_cache_enabled():
+        for job in jobs:
+            why = _compile_job(job)
+            if why is not None:
+                failed[job] = why
+            progress.advance(job[0].label)
+        return failed
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(arch,)) as pool:
+        futures = {pool.submit(_compile_job, job): job for job in jobs}
+        for future in as_completed(futures):
+            job = futures[future]
+            why = future.result()
+            if why is not None:
+                failed[job] = why
+            progress.advance(job[0].label)
+    return failed
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+
+def _steps_per_cycle(window: int, drafts: int, accepted: int) -> int:
+    """Verify + commit steps per slot set: whole periods of the cursor cycle, >= `window` steps."""
+    from .perf import cursor_cycle
+
+    period = len(cursor_cycle(window, drafts, accepted))
+    return period * -(-window // period)
+
+
+def time_config(target: TuneTarget, pool, config, replays: int) -> float:
+    """Median us per step of `config` on `pool` over `replays` CUDA-graph replays: the window
+    mean of a decode mode (every ring position, flush included); for verify the mean over
+    accepted_counts() of a verify + commit step over whole cursor cycles."""
+    from .perf import cursor_cycle, time_graph
+
+    if target.mode != "verify":
+        fn, steps = pool.window_fn(config)
+        return time_graph(fn, steps, replays=replays)
+    times = []
+    for a in target.accepted_counts():
+        pool.cache.cursor.fill_(cursor_cycle(target.window, target.num_drafts, a)[0])
+        fn, steps = pool.verify_fn(a, _steps_per_cycle(target.window, target.num_drafts, a), config)
+        times.append(time_graph(fn, steps, replays=replays))
+    return sum(times) / len(times)
+
+
+class OutputCheck:
+    """Outputs and final state of one config over a whole window (decode) or whole cursor
+    cycles at each accepted count (verify) on a small pool (two slot sets, the first used),
+    every run from the same starting state."""
+
+    def __init__(self, target: TuneTarget, batch: int):
+        import torch
+
+        self.target = target
+        self.pool = target.pool(batch, rotation_bytes=0)
+        self.start = {name: t.clone() for name, t in vars(self.pool.cache).items() if isinstance(t, torch.Tensor)}
+
+    def run(self, config) -> list:
+        import torch
+
+        from .api import commit, verify
+        from .perf import cursor_cycle
+
+        t, pool, cache = self.target, self.pool, self.pool.cache
+        for name, value in self.start.items():
+            getattr(cache, name).copy_(value)
+        ids = pool.sets[0]
+        outs = []
+        if t.mode == "verify":
+            for a in t.accepted_counts():
+                cache.cursor.fill_(cursor_cycle(t.window, t.num_drafts, a)[0])
+                num_accepted = torch.full_like(ids, a)
+                for _ in range(_steps_per_cycle(t.window, t.num_drafts, a)):
+                    verify(cache, slot_ids=ids, config=config, **pool.inputs)
+                    commit(cache, ids, num_accepted)
+                    outs.append(pool.out.clone())
+        else:
+            for _ in range(max(2, t.window)):  # two conventional steps: the second reads the first's state
+                pool.step(ids, config)
+                outs.append(pool.out.clone())
+        rows = ids.long()
+        outs += [cache.checkpoint[rows].clone(), cache.cursor[rows].clone()]
+        torch.cuda.synchronize()
+        return outs
+
+
+def mismatch(got: list, want: list) -> Optional[str]:
+    """Why the tensors `got` differ from `want` (a candidate's run against the default's), or
+    None: beyond RTOL_16BIT / RTOL_FP32 of each tensor's largest magnitude, or not finite."""
+    import torch
+
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not w.is_floating_point():
+            if not torch.equal(g, w):
+                return f"tensor {i} (cursors) differs"
+            continue
+        if not torch.isfinite(g).all():
+            return f"tensor {i}: non-finite values"
+        rtol = RTOL_16BIT if w.element_size() == 2 else RTOL_FP32
+        err = (g.float() - w.float()).abs().max().item()
+        scale = w.float().abs().max().item()
+        if err > rtol * scale:
+            return f"tensor {i}: max |difference| {err:.3g} above {rtol:g} x max |default| {scale:.3g}"
+    return None
+
+
+def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_bytes: int, progress) -> TuneResult:
+    """The fastest of `candidates` (the default config included) at `batch` whose outputs match
+    the default's; `progress` advances once per candidate."""
+    import torch
+
+    default = target.default_config(batch)
+    configs = [default] + [c for c in candidates if c != default]
+    check = OutputCheck(target, batch)
+    want = check.run(default)
+    for w in want:
+        if w.is_floating_point() and not torch.isfinite(w).all():
+            raise RuntimeError(f"{target.label} batch {batch}: the default config {config_label(default)} gives "
+                               f"non-finite outputs")
+    passed, rejected = [default], {}
+    for c in configs[1:]:
+        try:
+            why = mismatch(check.run(c), want)
+        except RuntimeError as e:  # e.g. too many resources requested for launch
+            why = f"failed to run: {e}"
+        if why is None:
+            passed.append(c)
+        else:
+            rejected[config_label(c)] = why
+            progress.advance(f"{target.label} b={batch}")
+    del check
+    pool = target.pool(batch, rotation_bytes)
+    screen = {}
+    for c in passed:
+        screen[c] = time_config(target, pool, c, SCREEN_REPLAYS) if len(passed) > 1 else 0.0
+        progress.advance(f"{target.label} b={batch}")
+    finalists = sorted(passed, key=screen.get)[:FINALISTS]
+    if default not in finalists:
+        finalists.append(default)
+    final = {c: time_config(target, pool, c, replays) for c in finalists}
+    del pool
+    torch.cuda.empty_cache()
+    best = min(finalists, key=final.get)
+    return TuneResult(target, batch, best, final[best], default, final[default], len(passed), rejected)
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+def _int_list(parser, flag: str, text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated integers, got {text!r}")
+    if not values:
+        parser.error(f"{flag}: give at least one value")
+    return sorted(set(values))
+
+
+def parse_shape(parser, text: str) -> ModelSpec:
+    """--shape LAYER:D1,D2,D3,D4 as a ModelSpec named after it."""
+    layer, sep, dims = text.partition(":")
+    if not sep or layer not in ("mamba2", "gdn"):
+        parser.error(f"--shape: expected mamba2:H,P,N,G or gdn:HV,V,K,H, got {text!r}")
+    try:
+        values = [int(v) for v in dims.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 4 or min(values) < 1:
+        what = "H,P,N,G (heads, headdim, dstate, groups)" if layer == "mamba2" else "HV,V,K,H (value heads, V, K, key heads)"
+        parser.error(f"--shape: {layer} takes four dims >= 1, {what}; got {dims!r}")
+    return ModelSpec(f"{layer}:{','.join(map(str, values))}", layer, *values, num_layers=1)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Arguments, checked before cutlass is imported; `targets` and `batches` filled in."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help=f"model registry names, comma separated (known: {', '.join(MODELS)})")
+    which.add_argument("--shape", help="explicit layer dims: mamba2:H,P,N,G or gdn:HV,V,K,H")
+    parser.add_argument("--batch", help="batch buckets, powers of two up to 1024, comma separated (default: all)")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"comma separated, of {', '.join(MODES)} (default {DEFAULT_MODES})")
+    parser.add_argument("--window", type=int, default=16, help="ReplaySSM window L of standard and verify (default 16)")
+    parser.add_argument("--drafts", metavar="T1,T2,...", help="draft counts T of the verify mode (needed with it)")
+    parser.add_argument("--dtypes", default="bf16", help=f"activation dtypes, of {', '.join(DTYPES)} (default bf16)")
+    parser.add_argument("--out", help="tuned-config file to merge the winners into (default: the user file, "
+                                      "$REPLAYSSM_CUTE_TUNED_FILE or tuned.json in the compile-cache folder)")
+    parser.add_argument("--replays", type=int, default=15, help="CUDA-graph replays of a final timing (default 15)")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="compile worker processes (default min(16, CPUs))")
+    parser.add_argument("--pool-mb", type=int, default=512,
+                        help="slot pool per rotation in MiB (default 512, far above L2 so that every step "
+                             "streams its checkpoint from HBM; smaller only for quick checks)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only build the candidate kernels into the compile cache (no GPU needed with "
+                             "CUTE_DSL_ARCH set), then exit")
+    args = parser.parse_args(argv)
+
+    if args.model is not None:
+        try:
+            models = [get_model(name.strip()) for name in args.model.split(",") if name.strip()]
+        except ValueError as e:
+            parser.error(f"--model: {e}")
+        if not models:
+            parser.error("--model: give at least one model name")
+    else:
+        models = [parse_shape(parser, args.shape)]
+    args.batches = list(BATCH_BUCKETS)
+    if args.batch is not None:
+        args.batches = _int_list(parser, "--batch", args.batch)
+        for b in args.batches:
+            if b not in BATCH_BUCKETS:
+                parser.error(f"--batch: {b} is not a batch bucket; give powers of two from 1 to "
+                             f"{BATCH_BUCKETS[-1]}, e.g. --batch 1,64,256")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            parser.error(f"--modes: unknown mode {m!r}; use {', '.join(MODES)}")
+    if not modes:
+        parser.error(f"--modes: give at least one of {', '.join(MODES)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPES:
+            parser.error(f"--dtypes: unknown dtype {d!r}; use {', '.join(DTYPES)}")
+    if not dtypes:
+        parser.error(f"--dtypes: give at least one of {', '.join(DTYPES)}")
+    if not 2 <= args.window <= MAX_RING:
+        parser.error(f"--window must be in 2..{MAX_RING} (window 1 is the conventional mode)")
+    drafts = []
+    if "verify" in modes:
+        if args.drafts is None:
+            parser.error("--modes verify: give the draft counts with --drafts, e.g. --drafts 4,8")
+        drafts = _int_list(parser, "--drafts", args.drafts)
+        for T in drafts:
+            if not 1 <= T <= min(MAX_DRAFTS, args.window) or args.window + T > MAX_RING:
+                parser.error(f"--drafts: draft count {T} outside 1..min({MAX_DRAFTS}, window {args.window}) "
+                             f"with window + T <= {MAX_RING}")
+    elif args.drafts is not None:
+        parser.error("--drafts: only used by the verify mode; add verify to --modes")
+    for flag, value, low in (("--replays", args.replays, 1), ("--workers", args.workers, 1), ("--pool-mb", args.pool_mb, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+
+    args.targets = [TuneTarget(m, mode, window, T, d)
+                    for m in models for d in dtypes for mode in MODES if mode in modes
+                    for window, T in ({"conventional": [(1, 0)], "standard": [(args.window, 0)],
+                                       "verify": [(args.window, T) for T in drafts]}[mode])]
+    return args
+
+
+def _target_arch(compile_only: bool) -> Optional[str]:
+    """The arch to compile for, or None after saying on stderr why the tuner cannot run: no GPU
+    to time on, or --compile-only with neither a GPU nor CUTE_DSL_ARCH."""
+    import torch
+
+    if not (compile_only or torch.cuda.is_available()):
+        print(NO_GPU.format(prog=PROG), file=sys.stderr)
+        return None
+    from .compile_cache import target_arch
+
+    try:
+        return target_arch()
+    except RuntimeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return None
+
+
+def summary(results: List[TuneResult]) -> str:
+    """The table of winners: per kernel and batch the best config, its time and TB/s, the
+    default and the speedup over it."""
+    header = (f"{'kernel':40s} {'batch':>5s}  {'best config':22s} {'us':>9s} {'TB/s':>6s}  "
+              f"{'default config':22s} {'us':>9s} {'speedup':>8s}  candidates")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        rejected = f" ({len(r.rejected)} rejected)" if r.rejected else ""
+        lines.append(f"{r.target.label:40s} {r.batch:5d}  {config_label(r.config):22s} {r.time_us:9.1f} "
+                     f"{r.tbps:6.2f}  {config_label(r.default_config):22s} {r.default_time_us:9.1f} "
+                     f"{r.speedup:7.3f}x  {r.timed}{rejected}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    arch = _target_arch(args.compile_only)
+    if arch is None:
+        return 1
+    from . import tuning
+
+    out = args.out or tuning.user_file()
+    try:
+        tuning.read_entries(out)  # a file the winners cannot be merged into fails now, not after tuning
+    except (OSError, ValueError) as e:
+        print(f"{PROG}: --out: {e}", file=sys.stderr)
+        return 1
+
+    candidates = {}
+    for t in args.targets:
+        configs = t.candidates()
+        defaults = {t.default_config(b) for b in args.batches}
+        for d in defaults:
+            reason = t.check(d)
+            if reason is not None:
+                print(f"{PROG}: {t.label}: the kernel cannot take this shape: {reason}", file=sys.stderr)
+                return 1
+        candidates[t] = list(dict.fromkeys(sorted(defaults, key=lambda c: c.key()) + configs))
+    jobs = [(t, c) for t in args.targets for c in candidates[t]]
+    print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
+          f"launch configs for {arch}", flush=True)
+    failed = compile_candidates(jobs, args.workers, arch)
+    for (t, c), why in sorted(failed.items(), key=lambda kv: (kv[0][0].label, kv[0][1].key())):
+        print(f"  {t.label} {config_label(c)}: did not compile, dropped ({why.splitlines()[0]})")
+    if args.compile_only:
+        print(f"{len(jobs) - len(failed)} kernels in the compile cache")
+        return 0
+    for t in args.targets:
+        for b in args.batches:
+            why = failed.get((t, t.default_config(b)))
+            if why is not None:
+                print(f"{PROG}: {t.label}: the default config {config_label(t.default_config(b))} did not "
+                      f"compile, nothing to compare the candidates with ({why.splitlines()[0]})", file=sys.stderr)
+                return 1
+        candidates[t] = [c for c in candidates[t] if (t, c) not in failed]
+
+    platform = tuning.current_platform()
+    results = []
+    progress = Progress("tune", sum(len(candidates[t]) for t in args.targets) * len(args.batches))
+    for t in args.targets:
+        for b in args.batches:
+            results.append(tune_one(t, b, candidates[t], args.replays, args.pool_mb << 20, progress))
+            # each winner as it comes: a run cut short keeps what it measured
+            written = tuning.write_entries(out, [results[-1].entry(platform)])
+    tuning.reload()
+    print(summary(results))
+    for r in results:
+        for label, why in r.rejected.items():
+            print(f"  {r.target.label} b={r.batch} {label}: rejected, {why}")
+    print(f"{len(results)} tuned configs for {platform.device} ({platform.arch}) merged into {out} "
+          f"({len(written)} entries); decode and verify use them from now on "
+          f"({tuning.ENV_DISABLE}=0 turns them off)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,501 @@
+"""The autotuner on the CPU: config spaces and their validity filters, the tuned-config file (keys,
+round trip, merge), the lookup decode / verify make (buckets, fallbacks, overrides, the switch),
+the CLI's argument errors, its no-GPU message, and a compile-only run.
+
+Timing needs a GPU: tests/test_tune_gpu.py tunes a small shape end to end.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayssm_cute import kernels_host, precompile, tune, tuning
+from replayssm_cute.cache import GDNCache, Mamba2Cache
+from replayssm_cute.kernels import config_space as space
+from replayssm_cute.kernels.gdn.decode import GDNConfig
+from replayssm_cute.kernels.mamba2.decode import Mamba2Config
+from replayssm_cute.models import MODELS, ModelSpec, get_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PLATFORM = tuning.Platform("NVIDIA H200", "sm_90a", "0.1.0", "4.8.1")
+SUPER = get_model("nemotron-super")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """A private user file and compile cache, an H200 platform, no shipped entries, fresh lookups."""
+    monkeypatch.setenv(tuning.ENV_USER_FILE, str(tmp_path / "user.json"))
+    monkeypatch.setenv("REPLAYSSM_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tuning.ENV_DISABLE, raising=False)
+    monkeypatch.setattr(tuning, "current_platform", lambda: PLATFORM)
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    if "CUTE_DSL_ARCH" in os.environ:
+        monkeypatch.setenv("CUTE_DSL_ARCH", os.environ["CUTE_DSL_ARCH"])
+    else:
+        monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    tuning.reload()
+    yield
+    tuning.reload()
+
+
+# ------------------------------------------------------------------------------- config spaces
+
+
+def test_register_budget():
+    assert space.register_budget(4, 0) == 255  # no cap
+    assert space.register_budget(1, 2) == 255  # 65536 / 64 threads: capped at 255
+    assert space.register_budget(4, 6) == 80  # 65536 / 768 = 85, in steps of 8
+    assert space.register_budget(8, 4) == 64
+    assert space.register_budget(8, 6) == 40
+    assert space.register_budget(8, 9) == 0  # 2304 threads do not fit on an SM
+
+
+@pytest.mark.parametrize("cls", [Mamba2Config, GDNConfig])
+@pytest.mark.parametrize("rows", [16, 64, 80, 128])
+def test_space_enumerates_divisible_tiles_within_the_register_floor(cls, rows):
+    configs = cls.space(rows)
+    assert len(configs) == len(set(configs)) and all(type(c) is cls for c in configs)
+    for c in configs:
+        assert rows % c.rows_per_cta == 0 and c.rows_per_cta >= space.MIN_TILE_ROWS
+        assert c.rows_per_cta % c.num_warps == 0 and c.num_warps in space.TUNE_NUM_WARPS
+        assert c.min_ctas_per_sm in space.TUNE_MIN_CTAS_PER_SM
+        assert space.register_budget(c.num_warps, c.min_ctas_per_sm) >= space.MIN_REGISTERS_PER_THREAD
+    # every tile and warp count that divides, uncapped, is there
+    want = {(t, w) for t in range(8, rows + 1) if rows % t == 0 for w in range(1, 9) if t % w == 0}
+    assert {(c.rows_per_cta, c.num_warps) for c in configs if c.min_ctas_per_sm == 0} == want
+    assert cls(rows_per_cta=rows, num_warps=8, min_ctas_per_sm=6) not in configs  # 40 registers
+
+
+def _target(model, mode, dtype="bf16", window=16, drafts=4):
+    window, drafts = {"conventional": (1, 0), "standard": (window, 0), "verify": (window, drafts)}[mode]
+    return tune.TuneTarget(model, mode, window, drafts, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("mode", tuning.MODES)
+def test_candidates_pass_the_kernel_check_and_hold_the_defaults(name, mode):
+    t = _target(get_model(name), mode)
+    configs = t.candidates()
+    assert configs and all(t.check(c) is None for c in configs)
+    rejected = [c for c in type(configs[0]).space(t.model.headdim) if c not in configs]
+    assert all(t.check(c) is not None for c in rejected)
+    for batch in (1, 16, 32, 1024):
+        assert t.default_config(batch) in configs  # the tuner can only match or beat the default
+    if mode == "verify":
+        assert {c.rows_per_warp for c in configs} == {16}  # the MMA's M
+
+
+def test_gdn_space_filters_shared_memory_and_rows_per_warp():
+    # K = 256: a 128-row tile is 128 KiB of state, so two such CTAs do not fit on an SM
+    t = _target(ModelSpec("wide", "gdn", 8, 128, 256, 2, 1), "standard")
+    configs = t.candidates()
+    assert GDNConfig(128, 8, 0) in configs
+    assert GDNConfig(128, 8, 2) not in configs and "shared memory" in t.check(GDNConfig(128, 8, 2))
+    assert GDNConfig(64, 2, 0) not in configs  # 32 rows per warp
+    assert "power of two up to 16" in t.check(GDNConfig(64, 2, 0))
+
+
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_target_shapes_are_what_decode_and_verify_build(layer, dtype):
+    """The tuner compiles the shapes decode / verify build for the pool's inputs: precompile's
+    (the engines' usual arguments, every 16-bit input in the activation dtype)."""
+    m = SUPER if layer == "mamba2" else get_model("qwen3.5-122b")
+    made = {label: shape for label, shape, _ in precompile.variants(m, 16, [dtype])}
+    assert _target(m, "conventional", dtype).shape() in made.values()
+    assert _target(m, "standard", dtype).shape() in made.values()
+    verify = [v.shape for v in precompile.draft_variants(m, 16, [4], [dtype]) if v.kind == "verify"]
+    assert _target(m, "verify", dtype).shape() == verify[0]
+
+
+# --------------------------------------------------------------------------- keys and the file
+
+
+def _shape(window=16, capacity=None, dtype=torch.bfloat16, model=SUPER):
+    return kernels_host.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window,
+                                     capacity or window, dtype, dtype, True, False, True, True, -1)
+
+
+def _entry(batch=64, config=(32, 2, 0), kernel="mamba2_decode", window=16, num_drafts=0, platform=PLATFORM,
+           dtype=torch.bfloat16, **extra):
+    key = tuning.tune_key(kernel, _shape(window, window + num_drafts, dtype), num_drafts, platform)
+    rows, warps, ctas = config
+    return {**key.fields(batch), "config": {"rows_per_cta": rows, "num_warps": warps, "min_ctas_per_sm": ctas},
+            "time_us": 80.0, **extra}
+
+
+def test_key_names_device_versions_layer_dtype_mode_and_batch():
+    e = _entry(batch=256, kernel="mamba2_verify", num_drafts=4, dtype=torch.float16)
+    assert list(e)[:len(tuning.KEY_FIELDS)] == list(tuning.KEY_FIELDS)
+    assert e["device"] == "NVIDIA H200" and e["arch"] == "sm_90a"
+    assert e["package"] == "0.1.0" and e["cutlass"] == "4.8.1"
+    assert e["shape"] == {"nheads": 128, "headdim": 64, "dstate": 128, "ngroups": 8}
+    assert (e["dtype"], e["mode"], e["window"], e["num_drafts"], e["batch"]) == ("fp16", "verify", 16, 4, 256)
+    assert tuning.tune_key("mamba2_decode", _shape(1), 0, PLATFORM).mode == "conventional"
+    assert tuning.tune_key("mamba2_decode", _shape(16), 0, PLATFORM).mode == "standard"
+    # the ring capacity (drafts room) is not part of a decode key
+    assert tuning.tune_key("mamba2_decode", _shape(16, 24), 0, PLATFORM) == \
+        tuning.tune_key("mamba2_decode", _shape(16), 0, PLATFORM)
+    gdn = get_model("qwen3.5-4b")
+    shape = kernels_host.gdn_shape(gdn.nheads, gdn.headdim, gdn.dstate, gdn.ngroups, 16, 16, torch.bfloat16,
+                                   torch.bfloat16, torch.float32, torch.float32, None, False, -1)
+    assert dict(tuning.tune_key("gdn_decode", shape, 0, PLATFORM).shape) == \
+        {"num_v_heads": 32, "head_v_dim": 128, "head_k_dim": 128, "num_k_heads": 16}
+
+
+def test_file_round_trip_and_merge(tmp_path):
+    path = tmp_path / "sub" / "tuned.json"
+    first = [_entry(1, (16, 4, 0)), _entry(64, (32, 2, 0))]
+    assert tuning.write_entries(path, first) == first
+    data = json.loads(path.read_text())
+    assert data == {"format": tuning.FORMAT, "entries": first}
+    assert '\n  "entries": [\n' in path.read_text()  # indented: readable and diffable
+    assert tuning.read_entries(path) == first
+    # a new key is added, an existing key replaced, the rest kept, in key order
+    merged = tuning.write_entries(path, [_entry(64, (64, 4, 0)), _entry(256, (64, 4, 0))])
+    assert [(e["batch"], e["config"]["rows_per_cta"]) for e in merged] == [(1, 16), (64, 64), (256, 64)]
+    assert tuning.read_entries(path) == merged
+    assert [p.name for p in path.parent.iterdir()] == ["tuned.json"]  # no temp files left
+
+
+def test_missing_file_reads_empty(tmp_path):
+    assert tuning.read_entries(tmp_path / "none.json") == []
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not JSON"),
+    ('{"entries": []}', "expected a tuned-config file"),
+    ('{"format": "replayssm_cute-tuned-v1", "entries": {}}', "expected a tuned-config file"),
+])
+def test_bad_files_are_named(tmp_path, text, message):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        tuning.read_entries(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(ValueError, match=message):  # nor is one merged into
+        tuning.write_entries(path, [_entry()])
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(batch=100), "'batch': expected a power of two up to 1024"),
+    (dict(batch="64"), "'batch': expected an int"),
+    (dict(kernel="rwkv_decode"), "'kernel': expected one of"),
+    (dict(mode="conventional"), "'mode': mamba2_decode at window 16 is 'standard'"),
+    (dict(shape={"nheads": 128}), "'shape': expected integer nheads, headdim, dstate, ngroups"),
+    (dict(config={"rows_per_cta": 32.0}), "'config': expected an object of integer launch parameters"),
+    (dict(device=None), "'device': expected a string"),
+])
+def test_bad_entries_name_the_field(tmp_path, change, message):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuning.FORMAT, "entries": [_entry(), {**_entry(), **change}]}))
+    with pytest.raises(ValueError, match=message) as e:
+        tuning.read_entries(path)
+    assert "entry 1" in str(e.value)
+
+
+def test_shipped_h200_file_is_valid_and_packaged():
+    shipped = Path(tuning.__file__).parent / "tuned" / "h200.json"
+    for entry in tuning.read_entries(shipped):
+        assert entry["device"] == "NVIDIA H200" and entry["arch"] == "sm_90a"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"tuned/*.json"' in pyproject
+
+
+# --------------------------------------------------------------------------------- the lookup
+
+
+@pytest.mark.parametrize("batch,bucket", [(1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (100, 128), (1024, 1024),
+                                          (5000, 1024)])
+def test_batch_bucket(batch, bucket):
+    assert tuning.batch_bucket(batch) == bucket
+
+
+@pytest.mark.parametrize("tuned,bucket,nearest", [
+    ([64], 64, 64), ([1, 64, 256], 128, 64),  # tie between 64 and 256: the smaller
+    ([1, 64, 256], 512, 256), ([1, 64, 256], 16, 64), ([1, 64, 256], 4, 1),
+    ([1, 64, 256], 8, None),  # 8x from both
+    ([256], 1024, 256), ([256], 32, None), ([], 64, None),
+])
+def test_nearest_bucket(tuned, bucket, nearest):
+    assert tuning.nearest_bucket(tuned, bucket) == nearest
+
+
+def _write_user(entries):
+    tuning.write_entries(tuning.user_file(), entries)
+    tuning.reload()
+
+
+def test_lookup_nearest_bucket_and_fallback():
+    _write_user([_entry(1, (16, 2, 0)), _entry(64, (32, 2, 0)), _entry(256, (64, 4, 0))])
+    shape = _shape()
+    get = lambda bucket: tuning.tuned_fields("mamba2_decode", shape, 0, bucket)  # noqa: E731
+    assert get(64) == {"rows_per_cta": 32, "num_warps": 2, "min_ctas_per_sm": 0}
+    assert get(128)["rows_per_cta"] == 32 and get(1024)["rows_per_cta"] == 64 and get(2)["rows_per_cta"] == 16
+    assert get(8) is None
+    # other dtype, mode, drafts or dims: nothing tuned
+    assert tuning.tuned_fields("mamba2_decode", _shape(dtype=torch.float16), 0, 64) is None
+    assert tuning.tuned_fields("mamba2_decode", _shape(1), 0, 64) is None
+    assert tuning.tuned_fields("mamba2_verify", _shape(16, 20), 4, 64) is None
+    assert tuning.tuned_fields("mamba2_decode", _shape(model=get_model("nemotron-nano-4b")), 0, 64) is None
+
+
+def test_lookup_needs_the_same_device_arch_and_versions(monkeypatch):
+    _write_user([_entry(64)])
+    shape = _shape()
+    assert tuning.tuned_fields("mamba2_decode", shape, 0, 64) is not None
+    for other in (dict(device="NVIDIA H100 80GB HBM3"), dict(arch="sm_100a"), dict(package="0.2.0"),
+                  dict(cutlass="4.9.0")):
+        monkeypatch.setattr(tuning, "current_platform", lambda o=other: tuning.Platform(**{**PLATFORM.__dict__, **o}))
+        assert tuning.tuned_fields("mamba2_decode", shape, 0, 64) is None, other
+    monkeypatch.setattr(tuning, "current_platform", lambda: None)  # no GPU
+    assert tuning.tuned_fields("mamba2_decode", shape, 0, 64) is None
+
+
+def test_user_file_overrides_shipped_entries(tmp_path):
+    tuning.write_entries(tuning.SHIPPED_DIR / "h200.json", [_entry(64, (16, 4, 0)), _entry(256, (16, 4, 0))])
+    _write_user([_entry(64, (32, 2, 0))])
+    assert tuning.source_files() == [tuning.SHIPPED_DIR / "h200.json", tuning.user_file()]
+    assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64)["rows_per_cta"] == 32
+    assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 256)["rows_per_cta"] == 16
+
+
+def test_env_var_turns_tuned_configs_off(monkeypatch):
+    _write_user([_entry(64)])
+    monkeypatch.setenv(tuning.ENV_DISABLE, "0")
+    assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64) is None
+    monkeypatch.setenv(tuning.ENV_DISABLE, "1")
+    assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64) is not None
+
+
+def test_default_user_file_is_in_the_compile_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(tuning.ENV_USER_FILE)
+    assert tuning.user_file() == tmp_path / "cache" / "tuned.json"
+
+
+def test_unreadable_user_file_is_ignored_with_a_warning():
+    tuning.user_file().write_text("{ not json")
+    with pytest.warns(RuntimeWarning, match="ignoring .*user.json"):
+        assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64) is None
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Configs that kernels_host compiles (nothing is compiled)."""
+    seen = []
+    for name in ("compile_mamba2", "compile_gdn"):
+        monkeypatch.setattr(kernels_host, name, lambda shape, cfg: seen.append(cfg) or object())
+    monkeypatch.setattr(kernels_host, "_compiled", lambda name, key, build: seen.append(key) or object())
+    return seen
+
+
+def test_decode_takes_the_tuned_config_of_the_nearest_bucket(compiled):
+    cache = Mamba2Cache(2, SUPER.nheads, SUPER.headdim, SUPER.dstate, SUPER.ngroups, window=16, device="meta")
+    kernel = lambda batch, config=None: kernels_host.mamba2_decode_kernel(  # noqa: E731
+        cache, torch.bfloat16, True, False, True, True, batch, config)
+    kernel(50)
+    assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, 64, 16)  # nothing tuned yet
+    _write_user([_entry(64, (32, 2, 0)), _entry(1024, (64, 8, 0))])
+    kernel(50)
+    assert compiled[-1] == Mamba2Config(32, 2, 0)
+    kernel(200)  # bucket 256: 64 and 1024 both 2 octaves away, the smaller wins
+    assert compiled[-1] == Mamba2Config(32, 2, 0)
+    kernel(600)  # bucket 1024
+    assert compiled[-1] == Mamba2Config(64, 8, 0)
+    n = len(compiled)
+    kernel(33)  # memoised per bucket: no new lookup or compile
+    kernel(600)
+    assert len(compiled) == n
+    kernel(3)  # bucket 4: nothing within a factor 4
+    assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, 4, 16)
+    kernel(50, Mamba2Config(16, 4))  # an explicit config wins
+    assert compiled[-1] == Mamba2Config(16, 4)
+
+
+def test_tuned_config_the_shape_cannot_take_falls_back_to_the_default(compiled):
+    cache = Mamba2Cache(2, SUPER.nheads, SUPER.headdim, SUPER.dstate, SUPER.ngroups, window=16, device="meta")
+    _write_user([_entry(64, (48, 4, 0)), _entry(256, (32, 2, 0))])  # 48 does not divide headdim 64
+    tuning.write_entries(tuning.user_file(), [{**_entry(256), "config": {"rows_per_cta": 32, "num_warps": 2,
+                                                                       "min_ctas_per_sm": 0, "stale_field": 1}}])
+    tuning.reload()
+    for batch in (64, 256):
+        kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, batch)
+        assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, batch, 16)
+
+
+def test_gdn_decode_and_verify_take_tuned_configs(compiled):
+    m = get_model("qwen3.5-4b")
+    cache = GDNCache(2, m.nheads, m.headdim, m.dstate, m.ngroups, window=16, max_draft=4, device="meta")
+    shape = kernels_host.gdn_shape(m.nheads, m.headdim, m.dstate, m.ngroups, 16, 20, torch.bfloat16,
+                                   torch.bfloat16, torch.float32, torch.float32, None, False, -1)
+    decode = tuning.tune_key("gdn_decode", shape, 0, PLATFORM).fields(64)
+    verify = tuning.tune_key("gdn_verify", shape, 4, PLATFORM).fields(64)
+    _write_user([{**decode, "config": {"rows_per_cta": 16, "num_warps": 2, "min_ctas_per_sm": 4}},
+                 {**verify, "config": {"rows_per_cta": 32, "num_warps": 2, "min_ctas_per_sm": 0}}])
+    kernels_host.gdn_decode_kernel(cache, torch.bfloat16, torch.float32, torch.float32, None, 64)
+    assert compiled[-1] == GDNConfig(16, 2, 4)
+    kernels_host.gdn_verify_kernel(cache, 4, torch.bfloat16, torch.float32, torch.float32, None, 64)
+    assert compiled[-1][-4:-1] == (32, 2, 0)  # the compile key ends with the config's key and T
+    kernels_host.gdn_verify_kernel(cache, 2, torch.bfloat16, torch.float32, torch.float32, None, 64)
+    assert compiled[-1][-4:-1] == kernels_host.default_gdn_verify_config(m.headdim, 64).key()  # T = 2 not tuned
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+def _cli_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "one of the arguments --model --shape is required"),
+    (["--model", "nemotron-super", "--shape", "mamba2:4,16,32,1"], "not allowed with"),
+    (["--model", "nemotron-mega"], "--model: unknown model 'nemotron-mega'; known:"),
+    (["--model", ","], "--model: give at least one model name"),
+    (["--shape", "rwkv:1,2,3,4"], "--shape: expected mamba2:H,P,N,G or gdn:HV,V,K,H"),
+    (["--shape", "mamba2:4,16,32"], "--shape: mamba2 takes four dims >= 1"),
+    (["--shape", "gdn:4,16,x,2"], "--shape: gdn takes four dims >= 1, HV,V,K,H"),
+    (["--model", "nemotron-super", "--batch", "100"], "--batch: 100 is not a batch bucket"),
+    (["--model", "nemotron-super", "--batch", "2048"], "--batch: 2048 is not a batch bucket"),
+    (["--model", "nemotron-super", "--batch", "1,sixty"], "--batch: expected comma-separated integers"),
+    (["--model", "nemotron-super", "--modes", "standard,spec"], "--modes: unknown mode 'spec'"),
+    (["--model", "nemotron-super", "--modes", ","], "--modes: give at least one of"),
+    (["--model", "nemotron-super", "--modes", "verify"], "--modes verify: give the draft counts with --drafts"),
+    (["--model", "nemotron-super", "--drafts", "4"], "--drafts: only used by the verify mode"),
+    (["--model", "nemotron-super", "--modes", "verify", "--drafts", "17"], "--drafts: draft count 17 outside"),
+    (["--model", "nemotron-super", "--modes", "verify", "--window", "8", "--drafts", "12"],
+     "--drafts: draft count 12 outside 1..min(16, window 8)"),
+    (["--model", "nemotron-super", "--modes", "verify", "--window", "24", "--drafts", "12"],
+     "with window + T <= 32"),
+    (["--model", "nemotron-super", "--dtypes", "fp32"], "--dtypes: unknown dtype 'fp32'; use bf16, fp16"),
+    (["--model", "nemotron-super", "--window", "1"], "--window must be in 2..32"),
+    (["--model", "nemotron-super", "--replays", "0"], "--replays must be >= 1"),
+    (["--model", "nemotron-super", "--workers", "0"], "--workers must be >= 1"),
+])
+def test_cli_argument_errors(capsys, argv, message):
+    assert message in _cli_error(capsys, argv)
+
+
+def test_cli_targets():
+    args = tune.parse_args(["--model", "nemotron-super,qwen3.5-4b", "--modes", "verify,conventional",
+                            "--drafts", "8,4", "--window", "12", "--dtypes", "bf16,fp16", "--batch", "256,1,64"])
+    assert args.batches == [1, 64, 256]
+    labels = [t.label for t in args.targets]
+    assert labels[:3] == ["nemotron-super conventional bf16", "nemotron-super verify L12 T4 bf16",
+                          "nemotron-super verify L12 T8 bf16"]
+    assert len(labels) == 2 * 2 * 3 and len(set(labels)) == len(labels)
+    args = tune.parse_args(["--shape", "gdn:8,64,128,2"])
+    assert args.batches == list(tuning.BATCH_BUCKETS)
+    assert [(t.model, t.mode, t.window) for t in args.targets] == [
+        (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "conventional", 1),
+        (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "standard", 16)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_no_gpu_message(capsys):
+    assert tune.main(["--model", "nemotron-super", "--batch", "64"]) == 1
+    captured = capsys.readouterr()
+    assert "no CUDA GPU found" in captured.err and "--compile-only" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not tuning.user_file().exists()
+
+
+def _run_cli(args, **env):
+    full = dict(os.environ, CUDA_VISIBLE_DEVICES="", **env)
+    full.pop("CUTE_DSL_ARCH", None)
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return subprocess.run([sys.executable, "-m", "replayssm_cute.tune", *args], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_without_gpu_exits_non_zero_without_traceback():
+    proc = _run_cli(["--model", "nemotron-super"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "no CUDA GPU found" in proc.stderr and proc.stdout == ""
+    proc = _run_cli(["--model", "nemotron-super", "--compile-only"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "CUTE_DSL_ARCH" in proc.stderr
+    proc = _run_cli(["--model", "nemotron-super", "--batch", "3"])
+    assert proc.returncode == 2 and "--batch: 3 is not a batch bucket" in proc.stderr
+
+
+def test_compile_only_builds_the_candidates(monkeypatch, tmp_path, capsys):
+    """A tiny space (two warp counts, no register cap) through the worker processes: every
+    candidate of both modes lands in the compile cache, nothing is tuned or written."""
+    monkeypatch.setattr(space, "TUNE_NUM_WARPS", (1, 2))
+    monkeypatch.setattr(space, "TUNE_MIN_CTAS_PER_SM", (0,))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    argv = ["--shape", "mamba2:2,16,32,1", "--modes", "conventional,standard", "--window", "4", "--batch", "1,64",
+            "--compile-only", "--workers", "2"]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    # rows 8 and 16 over one or two warps, and the default (16 rows, 4 warps), for the window-1
+    # and the window-4 kernel
+    assert "2 kernels x 2 batch buckets, 10 candidate launch configs for sm_90a" in out
+    assert "10 kernels in the compile cache" in out
+    assert len(list((tmp_path / "cache").glob("mamba2_decode-*.o"))) == 10
+    assert not tuning.user_file().exists()
+
+
+def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
+    """main() from the candidates to the file and the lookup, without a GPU: CPU pools (decode,
+    verify and commit run the float64 reference, so every config gives the same outputs but one
+    made to differ), nothing compiled, a made-up timing in which fewer warps are faster."""
+    from replayssm_cute.perf import DecodePool
+
+    monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: {})
+    monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
+        self.model, batch, self.window, drafts=self.num_drafts, device="cpu", rotation_bytes=0,
+        dtype=self.torch_dtype()))
+    monkeypatch.setattr(tune, "time_config", lambda target, pool, config, replays: (
+        10.0 + config.num_warps + config.min_ctas_per_sm / 10 - config.rows_per_cta / 100))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    run = tune.OutputCheck.run
+    wrong = Mamba2Config(8, 2, 0)
+    monkeypatch.setattr(tune.OutputCheck, "run", lambda self, config: [
+        t + 1 if config == wrong and t.is_floating_point() else t for t in run(self, config)])
+
+    argv = ["--shape", "mamba2:2,16,32,1", "--modes", "standard,verify", "--window", "4", "--drafts", "2",
+            "--batch", "2"]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "best config" in out and "TB/s" in out and "speedup" in out
+    assert "mamba2:2,16,32,1 standard L4 bf16 b=2 rows8_warps2: rejected, tensor 0: max |difference|" in out
+    assert f"merged into {tuning.user_file()}" in out
+
+    standard, verify = sorted(tuning.read_entries(tuning.user_file()), key=lambda e: e["kernel"])
+    assert (standard["mode"], standard["batch"], standard["num_drafts"]) == ("standard", 2, 0)
+    assert standard["config"] == {"rows_per_cta": 16, "num_warps": 1, "min_ctas_per_sm": 0}
+    assert standard["default_config"] == {"rows_per_cta": 16, "num_warps": 4, "min_ctas_per_sm": 0}
+    assert standard["time_us"] == pytest.approx(10.84) and standard["default_time_us"] == pytest.approx(13.84)
+    assert standard["speedup"] == pytest.approx(13.84 / 10.84, rel=1e-3) and standard["rejected"] == 1
+    assert standard["tbps"] > 0 and standard["model"] == "mamba2:2,16,32,1"
+    assert (verify["kernel"], verify["mode"], verify["num_drafts"]) == ("mamba2_verify", "verify", 2)
+    assert verify["config"]["rows_per_cta"] // verify["config"]["num_warps"] == 16
+
+    # the next decode of that shape at a batch in the bucket takes the winner (main() reloaded)
+    seen = []
+    monkeypatch.setattr(kernels_host, "compile_mamba2", lambda shape, cfg: seen.append(cfg) or object())
+    cache = Mamba2Cache(4, 2, 16, 32, 1, window=4, device="meta")
+    kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 2)
+    assert seen == [Mamba2Config(16, 1, 0)]
+
+
+def test_out_file_that_cannot_take_the_winners_fails_before_tuning(monkeypatch, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
+    monkeypatch.setattr(tune, "compile_candidates", lambda *a: pytest.fail("compiled before checking --out"))
+    assert tune.main(["--shape", "mamba2:2,16,32,1", "--batch", "2", "--out", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"--out: {bad}: expected a tuned-config file" in err and "Traceback" not in err
