@@ -51,7 +51,7 @@ SMALL_BATCH = 16
 # larger tiles and fewer warps above.
 GRIDS = {
     "mamba2": ([(16, 4), (32, 4)], [(64, 4), (80, 4), (32, 2), (40, 2), (16, 4)]),
-    "gdn": ([(16, 4), (8, 2), (16, 2)], [(32, 4), (64, 4), (16, 4), (32, 2), (64, 8), (32, 8)]),
+    "gdn": ([(16, 4), (8, 2), (16, 2)], [(32, 4), (64, 4), (16, 4), (32, 2), (64, 8), (32, 8), (128, 8)]),
 }
 QUICK_CANDIDATES = 2
 NO_GPU = ("{prog}: no CUDA GPU found (torch.cuda.is_available() is False); this benchmark "
