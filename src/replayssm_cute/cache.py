@@ -21,11 +21,68 @@ Both:
 * ``cursor``  (slots,) int32: committed records h, 0 <= h < window
 * ``origin``  (slots,) int32: ring index of record 0; record i lives at (origin + i) % cap
 * ``arrivals`` (slots,) int32: zero between steps; kernel-internal completion counter
-* ``read_copy``: None (reserved for the low-precision read copy)
+* ``read_copy``: None, or the low-precision read copy (below)
 
 window == 1 is conventional decoding: the checkpoint is the state and there is no ring.
 A decode row whose slot id equals ``pad_slot_id`` (-1 or 0) is skipped; with
 ``pad_slot_id == 0`` slot 0 is reserved and never holds a sequence.
+
+Low-precision state (docs/replayssm.md section 5; ``checkpoint_format``, ``read_copy``, ``shared``)
+---------------------------------------------------------------------------------------------------
+Two roles: the **recurrence checkpoint** ``checkpoint`` (what a flush reads and rebuilds from)
+and the **read copy** ``read_copy`` (what non-flush steps read; never read back into the
+recurrence). Configurations:
+
+* ``checkpoint_format``: "fp32" (default), "fp16" or "fp8"; low precision is written with
+  stochastic rounding (SR). "nvfp4" only as a single checkpoint (``shared`` or window == 1).
+* ``read_copy``: None (default: non-flush steps read the checkpoint), "fp16", "fp8" or "nvfp4",
+  written with round-to-nearest-even (RTN). Must be None when window == 1.
+* ``shared=True``: one low-precision checkpoint (SR) serves both roles: the paper's comparison
+  point. A low-precision ``checkpoint_format`` with ``read_copy=None`` is that configuration
+  whether or not ``shared=True`` is passed (``cache.shared`` says so).
+* window == 1 with a low-precision ``checkpoint_format``: conventional decoding with a
+  low-precision state, SR-written at every step.
+
+Every write (``load_prefill`` and each flush; every step at window 1) casts one fp32 state
+independently into each copy (never one copy from the other): SR into a low-precision
+checkpoint, RTN into the read copy. Storage follows ``replayssm_cute.quant`` exactly (``S`` =
+the per-slot state dims, (H, P, N) or (HV, V, K); K = N or head_k_dim the innermost dim; the
+prefix is ``checkpoint`` or ``read_copy``):
+
+=========  ======================================  ==============================  ===========================
+format     ``<prefix>``                            ``<prefix>_scale``              ``<prefix>_state_scale``
+=========  ======================================  ==============================  ===========================
+fp32       (slots, *S) float32                     None                            None
+fp16       (slots, *S) float16                     None                            None
+fp8        (slots, *S) float8_e4m3fn               (slots, *S[:-1], K / bk) fp32   None
+nvfp4      (slots, *S[:-1], K / 2) uint8 (E2M1,    (slots, *S[:-1], K / 16)        (slots, S[0]) float32,
+           element 2i in the low nibble)           float8_e4m3fn                   a power of two
+=========  ======================================  ==============================  ===========================
+
+fp8's block ``bk`` is 128 when K is a multiple of 128, else K (one scale per state row). Decoded
+values are ``quant.FORMATS[fmt].decode(data, scales)`` (``read_state``).
+
+Stochastic-rounding bits. ``sr_seed`` (1,) int64 on the device (its low 32 bits are the seed;
+``cache.sr_seed.fill_(seed)`` reseeds) and ``sr_counter`` (slots,) int32, the number of SR
+writes of each slot so far (both None with an fp32 checkpoint). The w-th SR write of slot s
+(w = sr_counter[s] before the write, taken mod 2^32) rounds element e of the slot's state with
+the 32 bits ::
+
+    key_s = sr_bits(seed, s);  key_w = sr_bits(key_s, w);  r[e] = sr_bits(key_w, e)
+
+(``quant.sr_bits(seed, offset) = fmix32(offset ^ fmix32(seed ^ 0x9E3779B9))``, a key passed
+on as the next seed as its uint32 pattern), e the flat index of the element in the slot's
+full-precision state, ``e = (head * S[1] + row) * K + col``, and then ``sr_counter[s] = w +
+1``. A kernel computes key_w once per CTA, reads the counter before the write and lets the
+CTA that advances the cursor advance the counter, so CUDA-graph replays draw fresh bits and a
+fixed seed reproduces a run. Why not one flat 32-bit offset: sr_bits depends on offset ^ key
+only, so an offset cannot hold (write, slot, element) for a pool of ~2^30 elements without
+wrapping within a few steps; keying by (slot, write) keeps every element of one write
+distinct and changes the stream at every write.
+
+GDN with a read copy also keeps (v, beta) per record (``keep_v_beta`` is forced on) and by
+default re-derives every correction at a flush from the recurrence checkpoint and (beta, v,
+k, g) (``flush_corrections="rederive"``, paper Algorithm 6); ``"fold"`` folds the cached ones.
 """
 
 from __future__ import annotations
@@ -36,14 +93,58 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import reference
+from . import quant, reference
 
-__all__ = ["Mamba2Cache", "GDNCache"]
+__all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS", "READ_COPY_FORMATS"]
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_DRAFT = 16
 _IDX_DTYPE = torch.int32
 _INDEX_TENSORS = ("cursor", "origin", "arrivals")
+
+CHECKPOINT_FORMATS = ("fp32", "fp16", "fp8", "nvfp4")  # nvfp4: shared or window == 1 only
+READ_COPY_FORMATS = (None, "fp16", "fp8", "nvfp4")
+_COPIES = ("checkpoint", "read_copy")  # prefixes of the two state copies' tensors
+_SCALE_SUFFIXES = ("_scale", "_state_scale")
+_SEED_MASK = (1 << 32) - 1
+
+
+def _format(name: str, K: int):
+    """The quant format object of ``name`` for a state with innermost dim K (None for fp32)."""
+    if name == "fp32":
+        return None
+    if name == "fp8":
+        return quant.FP8E4M3(block_k=128 if K % 128 == 0 else K)
+    return quant.FORMATS[name]
+
+
+def _copy_layout(name: str, state_shape: tuple) -> List[Tuple[str, tuple, torch.dtype]]:
+    """Per-slot tensors of one state copy in format ``name``: (suffix, shape, dtype), data first,
+    then the scales in quant's order (module docstring)."""
+    K = state_shape[-1]
+    rows = state_shape[:-1]
+    if name in ("fp32", "fp16"):
+        return [("", state_shape, torch.float32 if name == "fp32" else torch.float16)]
+    if name == "fp8":
+        bk = _format(name, K).block_k
+        return [("", state_shape, torch.float8_e4m3fn), ("_scale", rows + (K // bk,), torch.float32)]
+    return [("", rows + (K // 2,), torch.uint8), ("_scale", rows + (K // 16,), torch.float8_e4m3fn),
+            ("_state_scale", state_shape[:-2], torch.float32)]
+
+
+def checkpoint_sr_bits(seed, slot: int, counter: int, state_shape: Sequence[int], device=None) -> torch.Tensor:
+    """The SR bits of write ``counter`` of slot ``slot`` (module docstring): int32 ``state_shape``.
+
+    ``seed``: an int or the cache's ``sr_seed`` tensor (low 32 bits used); ``counter`` is taken
+    mod 2^32. ``r[e] = sr_bits(sr_bits(sr_bits(seed, slot), counter), e)``, e the flat index.
+    """
+    if isinstance(seed, torch.Tensor):
+        device = seed.device if device is None else device
+        seed = seed.reshape(-1)[0].to(device=device, dtype=torch.int64)
+    scalar = lambda v: torch.tensor(v & _SEED_MASK, dtype=torch.int64, device=device)  # noqa: E731
+    key = quant.sr_bits(quant.sr_bits(seed, scalar(slot)), scalar(counter))
+    numel = math.prod(state_shape)
+    return quant.sr_bits(key, torch.arange(numel, dtype=torch.int64, device=device)).view(tuple(state_shape))
 
 
 def _as_int(name: str, value, minimum: Optional[int] = None) -> int:
@@ -88,7 +189,8 @@ class _SlotPool:
     # ------------------------------------------------------------------ construction
 
     def _setup_pool(self, num_slots, dims: Sequence, window, max_draft, dtype, device, pad_slot_id,
-                    checkpoint: Optional[torch.Tensor]) -> None:
+                    checkpoint: Optional[torch.Tensor], checkpoint_format="fp32", read_copy=None,
+                    shared=False, sr_seed=None) -> None:
         num_slots = _as_int("num_slots", num_slots, 1)
         dims = {name: _as_int(name, value, 1) for name, value in zip(self._DIMS, dims)}
         window = _as_int("window", window, 1)
@@ -101,6 +203,7 @@ class _SlotPool:
             raise ValueError(
                 f"max_draft must be 0 when window == 1 (a conventional cache has no ring), got {max_draft}"
             )
+        self._check_precision(checkpoint_format, read_copy, shared, sr_seed, window, dims)
         self._check_options(window)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
@@ -126,10 +229,10 @@ class _SlotPool:
         self.dtype = dtype
         self.pad_slot_id = pad_slot_id
 
-        if checkpoint is None:
-            checkpoint = torch.zeros((num_slots,) + self._state_shape, dtype=torch.float32, device=device)
-        self.checkpoint = checkpoint
-        device = checkpoint.device
+        if checkpoint is not None:  # from_state: the engine's fp32 pool is the checkpoint
+            device = checkpoint.device
+        self._allocate_copies(num_slots, device, checkpoint)
+        device = self.checkpoint.device
         self.device = device
 
         for name, shape, ring_dtype, kept in self._ring_layout():
@@ -139,7 +242,72 @@ class _SlotPool:
             setattr(self, name, ring)
         for name in _INDEX_TENSORS:
             setattr(self, name, torch.zeros((num_slots,), dtype=_IDX_DTYPE, device=device))
-        self.read_copy = None
+        self.sr_seed = self.sr_counter = None
+        if self.checkpoint_format != "fp32":
+            self.sr_seed = torch.tensor([self._sr_seed_value], dtype=torch.int64, device=device)
+            self.sr_counter = torch.zeros((num_slots,), dtype=_IDX_DTYPE, device=device)
+
+    def _check_precision(self, checkpoint_format, read_copy, shared, sr_seed, window: int, dims: dict) -> None:
+        """Validate and record the state formats (module docstring); errors name the argument."""
+        if not isinstance(checkpoint_format, str) or checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+        if read_copy is not None and (not isinstance(read_copy, str) or read_copy not in READ_COPY_FORMATS):
+            raise ValueError(f"read_copy must be None or one of {READ_COPY_FORMATS[1:]}, got {read_copy!r}")
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
+        if shared and checkpoint_format == "fp32":
+            raise ValueError(
+                "shared=True needs a low-precision checkpoint_format ('fp16', 'fp8' or 'nvfp4'): the shared "
+                "configuration is one low-precision checkpoint serving both roles, got checkpoint_format='fp32'"
+            )
+        if shared and read_copy is not None:
+            raise ValueError(
+                f"read_copy must be None when shared=True (one checkpoint serves both roles), got {read_copy!r}"
+            )
+        if window == 1 and read_copy is not None:
+            raise ValueError(
+                f"read_copy must be None when window == 1 (conventional decoding reads and writes one state "
+                f"every step), got {read_copy!r}"
+            )
+        if checkpoint_format == "nvfp4" and read_copy is not None:
+            raise ValueError(
+                "checkpoint_format='nvfp4' is only a single checkpoint (shared=True or window == 1); next to a "
+                f"read copy the recurrence checkpoint is 'fp32', 'fp16' or 'fp8', got read_copy={read_copy!r}"
+            )
+        K_name = self._STATE_DIMS[-1]
+        for arg, fmt in (("checkpoint_format", checkpoint_format), ("read_copy", read_copy)):
+            if fmt == "nvfp4" and dims[K_name] % quant.NVFP4.block_k != 0:
+                raise ValueError(
+                    f"{arg}='nvfp4' needs {K_name} to be a multiple of {quant.NVFP4.block_k} (one E4M3 scale "
+                    f"per 16 elements along it), got {dims[K_name]}"
+                )
+        if sr_seed is not None:
+            if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) or not 0 <= sr_seed <= _SEED_MASK:
+                raise ValueError(f"sr_seed must be None or an int in [0, 2^32), got {sr_seed!r}")
+            if checkpoint_format == "fp32":
+                raise ValueError(
+                    "sr_seed needs a low-precision checkpoint_format (an fp32 checkpoint is written without "
+                    "stochastic rounding)"
+                )
+        elif checkpoint_format != "fp32":
+            # torch's default generator: torch.manual_seed makes the cache's seed reproducible
+            sr_seed = int(torch.randint(0, 1 << 32, (1,), dtype=torch.int64))
+        self.checkpoint_format = checkpoint_format
+        self.read_copy_format = read_copy
+        self._sr_seed_value = sr_seed
+
+    def _allocate_copies(self, num_slots: int, device, checkpoint: Optional[torch.Tensor]) -> None:
+        """The tensors of the two state copies (module docstring), zeros, or ``checkpoint`` (an
+        engine's fp32 pool) as the checkpoint; tensors a format does not use are None."""
+        for prefix, fmt in zip(_COPIES, (self.checkpoint_format, self.read_copy_format)):
+            for suffix in ("",) + _SCALE_SUFFIXES:
+                setattr(self, prefix + suffix, None)
+            for suffix, shape, dt in ([] if fmt is None else _copy_layout(fmt, self._state_shape)):
+                if prefix == "checkpoint" and suffix == "" and checkpoint is not None:
+                    t = checkpoint
+                else:
+                    t = torch.zeros((num_slots,) + shape, dtype=dt, device=device)
+                setattr(self, prefix + suffix, t)
 
     @classmethod
     def _check_engine_state(cls, state) -> None:
@@ -167,6 +335,64 @@ class _SlotPool:
         """True when window == 1: plain conventional decoding, no ring."""
         return self.window == 1
 
+    @property
+    def shared(self) -> bool:
+        """True when one low-precision checkpoint serves both roles (no read copy); at window 1
+        that is conventional decoding with a low-precision state."""
+        return self.checkpoint_format != "fp32" and self.read_copy_format is None
+
+    @property
+    def is_plain(self) -> bool:
+        """True for the layout the GPU kernels take today: an fp32 checkpoint, no read copy and
+        (GDN) cached corrections folded at a flush. Other configurations run the CPU reference
+        (``reference_lowprec``) only."""
+        return (self.checkpoint_format == "fp32" and self.read_copy_format is None
+                and getattr(self, "flush_corrections", "fold") == "fold")
+
+    def _copy(self, copy: str) -> Tuple[object, torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """(quant format or None for fp32, data, scales in quant's order) of "checkpoint" or
+        "read_copy"."""
+        fmt = self.checkpoint_format if copy == "checkpoint" else self.read_copy_format
+        if copy not in _COPIES or fmt is None:
+            raise ValueError(f"copy must be 'checkpoint' or, on a cache with a read copy, 'read_copy'; got {copy!r}")
+        scales = tuple(getattr(self, copy + sfx) for sfx in _SCALE_SUFFIXES if getattr(self, copy + sfx) is not None)
+        return _format(fmt, self._state_shape[-1]), getattr(self, copy), scales
+
+    def read_state(self, slot_ids: Union[torch.Tensor, Sequence[int]], copy: str = "checkpoint") -> torch.Tensor:
+        """The stored value of a state copy, decoded to float32 (n, *state shape): ``copy`` is
+        "checkpoint" (the recurrence checkpoint) or "read_copy". Slot ids may repeat."""
+        fmt, data, scales = self._copy(copy)
+        ids = self._slot_ids(slot_ids, allow_duplicates=True)
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if fmt is None:
+            return data[idx].clone()
+        return fmt.decode(data[idx], tuple(t[idx] for t in scales))
+
+    def _write_state_(self, ids: List[int], state: torch.Tensor) -> None:
+        """Write one fp32 state per slot of ``ids`` (validated, distinct) into every copy: as is
+        into an fp32 checkpoint, with SR (bits of ``checkpoint_sr_bits``, then sr_counter += 1)
+        into a low-precision one, with RTN into the read copy. Cursors are not touched."""
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        state = state.to(device=self.device, dtype=torch.float32)
+        for copy in _COPIES:
+            if copy == "read_copy" and self.read_copy_format is None:
+                continue
+            fmt, data, scales = self._copy(copy)
+            if fmt is None:
+                data[idx] = state
+                continue
+            if copy == "checkpoint":
+                bits = torch.stack([checkpoint_sr_bits(self.sr_seed, s, int(self.sr_counter[s]), self._state_shape)
+                                    for s in ids])
+                enc = fmt.encode_sr(state, bits)
+            else:
+                enc = fmt.encode_rtn(state)
+            data[idx] = enc.data
+            for t, v in zip(scales, enc.scales):
+                t[idx] = v
+        if self.sr_counter is not None:
+            self.sr_counter[idx] += 1
+
     def _slot_ids(self, slot_ids, name: str = "slot_ids", allow_duplicates: bool = False) -> list:
         if isinstance(slot_ids, torch.Tensor):
             if slot_ids.dim() != 1:
@@ -193,6 +419,9 @@ class _SlotPool:
     def load_prefill(self, slot_ids: Union[torch.Tensor, Sequence[int]], state: torch.Tensor) -> None:
         """Hand over prefill states: checkpoint[slot] = state (cast to fp32), cursor = origin = 0.
 
+        With low-precision formats every copy is written from the fp32 state: SR into a
+        low-precision checkpoint (advancing sr_counter), RTN into the read copy.
+
         state: (n, *checkpoint shape of one slot), any floating dtype, one entry per slot id.
         """
         ids = self._slot_ids(slot_ids)
@@ -206,14 +435,20 @@ class _SlotPool:
         if not ids:
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        self.checkpoint[idx] = state.to(device=self.device, dtype=torch.float32)
+        self._write_state_(ids, state)
         self.cursor[idx] = 0
         self.origin[idx] = 0
 
     def memory_per_slot(self) -> Dict[str, int]:
         """Bytes per slot of every tensor (0 for a ring this configuration does not keep),
-        plus "total"."""
-        sizes = {"checkpoint": math.prod(self._state_shape) * 4}
+        plus "total". The state copies' parts come first: "checkpoint" (its data), then
+        "checkpoint_scale" / "checkpoint_state_scale", "read_copy", "read_copy_scale",
+        "read_copy_state_scale" where the configuration has them; "sr_counter" after the
+        index tensors when the checkpoint is low precision. (``sr_seed``, 8 bytes, is per cache.)"""
+        sizes = {}
+        for prefix, fmt in zip(_COPIES, (self.checkpoint_format, self.read_copy_format)):
+            for suffix, shape, dt in ([] if fmt is None else _copy_layout(fmt, self._state_shape)):
+                sizes[prefix + suffix] = math.prod(shape) * torch.empty((), dtype=dt).element_size()
         for name, shape, ring_dtype, kept in self._ring_layout():
             kept = kept and not self.is_conventional
             itemsize = torch.empty((), dtype=ring_dtype).element_size()
@@ -221,12 +456,17 @@ class _SlotPool:
         idx = torch.empty((), dtype=_IDX_DTYPE).element_size()
         for name in _INDEX_TENSORS:
             sizes[name] = idx
+        if self.sr_counter is not None:
+            sizes["sr_counter"] = idx
         sizes["total"] = sum(sizes.values())
         return sizes
 
     def __repr__(self) -> str:
         fields = ("num_slots",) + self._DIMS + ("window", "max_draft", "capacity", "dtype", "device",
                                                   "pad_slot_id") + self._REPR_EXTRA
+        if not self.is_plain:
+            fields += ("checkpoint_format", "read_copy_format", "shared") + (
+                ("flush_corrections",) if hasattr(self, "flush_corrections") else ())
         return f"{type(self).__name__}(" + ", ".join(f"{f}={getattr(self, f)}" for f in fields) + ")"
 
 
@@ -242,6 +482,16 @@ class Mamba2Cache(_SlotPool):
         dtype: activation dtype of ring_x / ring_B: bfloat16, float16 or float32.
         device: where the tensors live.
         pad_slot_id: slot id of padding rows, -1 or 0.
+        checkpoint_format: recurrence checkpoint "fp32" (default), "fp16" or "fp8" (low precision
+            is written with stochastic rounding); "nvfp4" only as a single checkpoint (shared or
+            window == 1). Module docstring: layouts and the SR bits.
+        read_copy: None (default) or "fp16", "fp8", "nvfp4": the copy non-flush steps read,
+            written with round-to-nearest at every flush and prefill load; None at window 1.
+        shared: True asserts the shared configuration: one low-precision checkpoint (SR) for
+            both roles, read_copy None (the same as a low-precision checkpoint_format without
+            read copy).
+        sr_seed: seed of the SR bits, an int in [0, 2^32), or None: drawn from torch's default
+            generator; only with a low-precision checkpoint. Held in ``cache.sr_seed``.
     """
 
     _DIMS = ("nheads", "headdim", "dstate", "ngroups")
@@ -261,9 +511,14 @@ class Mamba2Cache(_SlotPool):
         dtype: torch.dtype = torch.bfloat16,
         device: Union[str, torch.device] = "cpu",
         pad_slot_id: int = -1,
+        checkpoint_format: str = "fp32",
+        read_copy: Optional[str] = None,
+        shared: bool = False,
+        sr_seed: Optional[int] = None,
     ) -> None:
         self._setup_pool(num_slots, (nheads, headdim, dstate, ngroups), window, max_draft, dtype, device,
-                         pad_slot_id, checkpoint=None)
+                         pad_slot_id, checkpoint=None, checkpoint_format=checkpoint_format, read_copy=read_copy,
+                         shared=shared, sr_seed=sr_seed)
 
     def _check_dims(self, nheads, headdim, dstate, ngroups) -> None:
         if nheads % ngroups != 0:
@@ -302,13 +557,19 @@ class Mamba2Cache(_SlotPool):
         return obj
 
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]], A: torch.Tensor) -> torch.Tensor:
-        """Current state of each slot, float64 (n, H, P, N): checkpoint + replay of its records."""
+        """Current state of each slot, float64 (n, H, P, N): checkpoint + replay of its records
+        (a low-precision checkpoint decoded first)."""
         ids = self._slot_ids(slot_ids, allow_duplicates=True)
+        if not self.is_plain:
+            from . import reference_lowprec
+
+            return reference_lowprec.mamba2_materialize(self, ids, A)
         return reference.mamba2_materialize(self, ids, A)
 
 
 _GDN_DIM_MULTIPLE = 16
 _GDN_MAX_DIM = 256
+_FLUSH_CORRECTIONS = ("rederive", "fold")
 
 
 class GDNCache(_SlotPool):
@@ -327,7 +588,22 @@ class GDNCache(_SlotPool):
         dtype: activation dtype of ring_k (and ring_v): bfloat16, float16 or float32.
         device: where the tensors live.
         pad_slot_id: slot id of padding rows, -1 or 0.
-        keep_v_beta: also keep v and beta per record (must be False when window == 1).
+        keep_v_beta: also keep v and beta per record (must be False when window == 1). None
+            (default): True exactly when there is a read copy, where it must be (forced).
+        checkpoint_format: recurrence checkpoint "fp32" (default), "fp16" or "fp8" (low precision
+            is written with stochastic rounding); "nvfp4" only as a single checkpoint (shared or
+            window == 1). Module docstring: layouts and the SR bits.
+        read_copy: None (default) or "fp16", "fp8", "nvfp4": the copy non-flush steps read,
+            written with round-to-nearest at every flush and prefill load; None at window 1.
+        shared: True asserts the shared configuration: one low-precision checkpoint (SR) for
+            both roles, read_copy None (the same as a low-precision checkpoint_format without
+            read copy).
+        sr_seed: seed of the SR bits, an int in [0, 2^32), or None: drawn from torch's default
+            generator; only with a low-precision checkpoint. Held in ``cache.sr_seed``.
+        flush_corrections: what a flush folds: "rederive" (re-derive every u_j from the
+            recurrence checkpoint and the cached (beta, v, k, g), paper Algorithm 6; needs
+            keep_v_beta) or "fold" (the cached u_j). None (default): "rederive" with a read
+            copy, else "fold".
     """
 
     _DIMS = ("num_v_heads", "head_v_dim", "head_k_dim", "num_k_heads")
@@ -348,17 +624,28 @@ class GDNCache(_SlotPool):
         dtype: torch.dtype = torch.bfloat16,
         device: Union[str, torch.device] = "cpu",
         pad_slot_id: int = -1,
-        keep_v_beta: bool = False,
+        keep_v_beta: Optional[bool] = None,
+        checkpoint_format: str = "fp32",
+        read_copy: Optional[str] = None,
+        shared: bool = False,
+        sr_seed: Optional[int] = None,
+        flush_corrections: Optional[str] = None,
     ) -> None:
         self._setup(num_slots, (num_v_heads, head_v_dim, head_k_dim, num_k_heads), window, max_draft, dtype,
-                    device, pad_slot_id, keep_v_beta, checkpoint=None)
+                    device, pad_slot_id, keep_v_beta, checkpoint=None, checkpoint_format=checkpoint_format,
+                    read_copy=read_copy, shared=shared, sr_seed=sr_seed, flush_corrections=flush_corrections)
 
     def _setup(self, num_slots, dims, window, max_draft, dtype, device, pad_slot_id, keep_v_beta,
-               checkpoint: Optional[torch.Tensor]) -> None:
-        if not isinstance(keep_v_beta, bool):
-            raise TypeError(f"keep_v_beta must be a bool, got {type(keep_v_beta).__name__}")
+               checkpoint: Optional[torch.Tensor], flush_corrections=None, **formats) -> None:
+        if keep_v_beta is not None and not isinstance(keep_v_beta, bool):
+            raise TypeError(f"keep_v_beta must be a bool or None, got {type(keep_v_beta).__name__}")
+        if flush_corrections is not None and flush_corrections not in _FLUSH_CORRECTIONS:
+            raise ValueError(
+                f"flush_corrections must be None or one of {_FLUSH_CORRECTIONS}, got {flush_corrections!r}"
+            )
         self.keep_v_beta = keep_v_beta
-        self._setup_pool(num_slots, dims, window, max_draft, dtype, device, pad_slot_id, checkpoint)
+        self.flush_corrections = flush_corrections
+        self._setup_pool(num_slots, dims, window, max_draft, dtype, device, pad_slot_id, checkpoint, **formats)
 
     def _check_dims(self, num_v_heads, head_v_dim, head_k_dim, num_k_heads) -> None:
         if num_v_heads % num_k_heads != 0:
@@ -371,8 +658,24 @@ class GDNCache(_SlotPool):
                 )
 
     def _check_options(self, window: int) -> None:
+        """Resolve keep_v_beta and flush_corrections against the window and the read copy."""
+        has_read_copy = self.read_copy_format is not None
+        if self.keep_v_beta is None:
+            self.keep_v_beta = has_read_copy
+        elif has_read_copy and not self.keep_v_beta:
+            raise ValueError(
+                "keep_v_beta must be True (or None) with a read copy: a flush re-derives the corrections "
+                f"from the recurrence checkpoint and the cached (beta, v), got read_copy={self.read_copy_format!r}"
+            )
         if window == 1 and self.keep_v_beta:
             raise ValueError("keep_v_beta must be False when window == 1 (a conventional cache has no ring)")
+        if self.flush_corrections is None:
+            self.flush_corrections = "rederive" if has_read_copy else "fold"
+        elif self.flush_corrections == "rederive" and not self.keep_v_beta:
+            raise ValueError(
+                "flush_corrections='rederive' needs keep_v_beta=True (a flush re-derives u_j from the cached v_j "
+                "and beta_j)"
+            )
 
     def _ring_layout(self):
         HV, V, K, H = self.num_v_heads, self.head_v_dim, self.head_k_dim, self.num_k_heads
@@ -411,6 +714,12 @@ class GDNCache(_SlotPool):
         return obj
 
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
-        """Current state of each slot, float64 (n, HV, V, K): checkpoint + replay of its records."""
+        """Current state of each slot, float64 (n, HV, V, K): checkpoint + replay of its records
+        (a low-precision checkpoint decoded first; with flush_corrections "rederive" the
+        corrections re-derived as the next flush will)."""
         ids = self._slot_ids(slot_ids, allow_duplicates=True)
+        if not self.is_plain:
+            from . import reference_lowprec
+
+            return reference_lowprec.gdn_materialize(self, ids)
         return reference.gdn_materialize(self, ids)

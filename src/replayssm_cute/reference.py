@@ -488,7 +488,14 @@ def mamba2_decode_cache_(
 
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
     touched. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
+
+    A cache with low-precision state (``not cache.is_plain``) runs
+    ``reference_lowprec.mamba2_decode_lowprec_cache_``.
     """
+    if not getattr(cache, "is_plain", True):
+        from .reference_lowprec import mamba2_decode_lowprec_cache_
+
+        return mamba2_decode_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
     (b,) = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias)
     out = _out_buffer(out, x, (b, cache.nheads, cache.headdim))
 
@@ -506,6 +513,10 @@ def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor)
     """Current state of each named slot, float64 (n, H, P, N): checkpoint + replay of its
     committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
     with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
+    if not getattr(cache, "is_plain", True):
+        from . import reference_lowprec
+
+        return reference_lowprec.mamba2_materialize(cache, slot_ids, A)
     return _materialize(
         cache, slot_ids, (cache.nheads, cache.headdim, cache.dstate), _slot_records,
         lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
@@ -750,7 +761,14 @@ def gdn_decode_cache_(
 
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
     touched. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
+
+    A cache with low-precision state or re-derived flush corrections (``not cache.is_plain``)
+    runs ``reference_lowprec.gdn_decode_lowprec_cache_``.
     """
+    if not getattr(cache, "is_plain", True):
+        from .reference_lowprec import gdn_decode_lowprec_cache_
+
+        return gdn_decode_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
     (bsz,) = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias)
     out = _out_buffer(out, v, (bsz, cache.num_v_heads, cache.head_v_dim))
 
@@ -772,6 +790,10 @@ def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
     """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint + replay of
     its committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
     with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
+    if not getattr(cache, "is_plain", True):
+        from . import reference_lowprec
+
+        return reference_lowprec.gdn_materialize(cache, slot_ids)
     return _materialize(
         cache, slot_ids, (cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), _gdn_slot_records, gdn_replay
     )

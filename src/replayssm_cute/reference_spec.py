@@ -294,7 +294,12 @@ def mamba2_verify_cache_(
     fp32) written at (o + h + i) % capacity; if h + T > window, flush: checkpoint =
     Replay(checkpoint, the h committed records) in fp32, origin = (o + h) % capacity, cursor
     = 0. Cursors are not advanced: ``commit_cache_`` does that. ``arrivals`` is not touched.
+    A cache with low-precision state runs ``reference_lowprec.mamba2_verify_lowprec_cache_``.
     """
+    if not getattr(cache, "is_plain", True):
+        from .reference_lowprec import mamba2_verify_lowprec_cache_
+
+        return mamba2_verify_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
     b, T = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts=True)
     _num_drafts(cache, T, "x")
     out = _out_buffer(out, x, (b, T, cache.nheads, cache.headdim))
@@ -442,8 +447,13 @@ def gdn_verify_cache_(
     dtype, g to fp32, and v / beta when the cache keeps them) written at (o + h + i) %
     capacity; if h + T > window, flush: checkpoint = Replay(checkpoint, the h committed records)
     in fp32, origin = (o + h) % capacity, cursor = 0. Cursors are not advanced (see
-    ``commit_cache_``). ``arrivals`` is not touched.
+    ``commit_cache_``). ``arrivals`` is not touched. A cache with low-precision state or
+    re-derived flush corrections runs ``reference_lowprec.gdn_verify_lowprec_cache_``.
     """
+    if not getattr(cache, "is_plain", True):
+        from .reference_lowprec import gdn_verify_lowprec_cache_
+
+        return gdn_verify_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
     bsz, T = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts=True)
     _num_drafts(cache, T, "v")
     out = _out_buffer(out, v, (bsz, T, cache.num_v_heads, cache.head_v_dim))
@@ -560,6 +570,11 @@ def _check_conventional(cache) -> None:
     if not cache.is_conventional:
         raise ValueError(
             "the snapshot baseline runs on a conventional cache (window == 1: the checkpoint is the state)"
+        )
+    if not getattr(cache, "is_plain", True):
+        raise NotImplementedError(
+            "the snapshot baseline on a low-precision state (checkpoint_format != 'fp32') is not implemented: "
+            "it would need low-precision snapshots and an SR write per kept snapshot"
         )
 
 
