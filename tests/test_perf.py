@@ -60,7 +60,7 @@ def test_ideal_bytes_unknown_layer():
 
 BATCHES = (1, 16, 17, 32, 64, 128, 256, 512)
 GDN_SMALL = {(16, 4), (8, 2), (16, 2)}
-GDN_LARGE = {(16, 4), (32, 4), (32, 2), (64, 4), (64, 8), (32, 8)}
+GDN_LARGE = {(16, 4), (32, 4), (32, 2), (64, 4), (64, 8), (32, 8), (128, 8)}
 
 
 @pytest.mark.parametrize("name", ["nemotron-super", "nemotron-nano-4b", "qwen3.5-4b", "qwen3.5-122b"])
