@@ -168,12 +168,17 @@ def make_padded_row_tma(m_rows: cute.Tensor, box_rows: int, cols: int):
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_rows, smem_layout, (box_rows, width))
 
 
+def f32_asm(result_type, x: Float32, asm: str, constraints: str, loc, ip):
+    """One side-effect-free PTX instruction on fp32 ``x`` (``$1``) with one result (``$0``)."""
+    return result_type(llvm.inline_asm(
+        result_type.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], asm, constraints,
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @dsl_user_op
 def tf32_round(x: Float32, *, loc=None, ip=None) -> Float32:
     """x rounded to the nearest TF32 value (cvt.rna), returned as fp32."""
-    return Float32(llvm.inline_asm(
-        Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rna.tf32.f32 $0, $1;", "=f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return f32_asm(Float32, x, "cvt.rna.tf32.f32 $0, $1;", "=f,f", loc, ip)
 
 
 @cute.jit

@@ -9,48 +9,22 @@ for SR given the same random bits, which come from the same counter-based genera
 Software on every target: it runs on sm_90a, which has no ``cvt.rs``, and keeps sm_100a / sm_103a
 bit-identical to the reference until their hardware conversion is checked against it.
 
-Element formats (``MinifloatSpec``): fp16, E4M3 ("fn": no Inf, saturating), E2M1.
+Element formats: the reference's ``Minifloat`` constants fp16, E4M3 ("fn": no Inf, saturating), E2M1.
 """
-
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-
-@dataclass(frozen=True)
-class MinifloatSpec:
-    """A sign-magnitude float format as integer constants (mirrors ``quant.Minifloat``)."""
-
-    exp_bits: int
-    man_bits: int
-    max_code: int  # magnitude code of the largest finite value
-    inf_code: int  # magnitude code of ±Inf inputs and of RTN overflow
-    nan_code: int  # magnitude code of NaN inputs
-
-    @property
-    def bias(self) -> int:
-        return (1 << (self.exp_bits - 1)) - 1
-
-    @property
-    def sign_bit(self) -> int:
-        return 1 << (self.exp_bits + self.man_bits)
-
-
-F16 = MinifloatSpec(exp_bits=5, man_bits=10, max_code=0x7BFF, inf_code=0x7C00, nan_code=0x7E00)
-E4M3 = MinifloatSpec(exp_bits=4, man_bits=3, max_code=0x7E, inf_code=0x7E, nan_code=0x7F)
-E2M1 = MinifloatSpec(exp_bits=2, man_bits=1, max_code=0x7, inf_code=0x7, nan_code=0x0)
+from ..quant import E2M1, E4M3, F16, Minifloat  # noqa: F401 (the formats the kernels take)
+from .common import f32_asm
 
 
 @dsl_user_op
 def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
     """The bit pattern of fp32 ``x``."""
-    return Int32(llvm.inline_asm(
-        Int32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return f32_asm(Int32, x, "mov.b32 $0, $1;", "=r,f", loc, ip)
 
 
 @cute.jit
@@ -70,7 +44,7 @@ def sr_bits(seed: Uint32, offset: Uint32) -> Uint32:
 
 
 @cute.jit
-def round_to_code(x: Float32, bits: Uint32, spec: cutlass.Constexpr[MinifloatSpec],
+def round_to_code(x: Float32, bits: Uint32, spec: cutlass.Constexpr[Minifloat],
                   stochastic: cutlass.Constexpr[bool]) -> Int32:
     """The code of fp32 ``x`` in ``spec``: RTN (ties to even, overflow to inf_code) or, with
     ``stochastic``, SR with the 32 random ``bits`` (overflow to max_code); ±Inf -> inf_code,
