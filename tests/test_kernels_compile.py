@@ -330,15 +330,23 @@ def _builds_per_arch(request, tmp_path_factory, fixture, build, prefix):
         return {a: f.result() for a, f in futures.items()}
 
 
-@pytest.fixture(scope="module")
-def draft_builds(request, tmp_path_factory):
-    """arch -> DraftBuild, built in parallel (_builds_per_arch)."""
-    return _builds_per_arch(request, tmp_path_factory, "draft_build", DraftBuild, "drafts")
+def _per_arch_fixtures(all_name, one_name, build, prefix):
+    """The two module fixtures of one kind of per-arch build: ``all_name``, arch -> build(arch,
+    tmp dir), built in parallel (_builds_per_arch), and ``one_name``, parametrised over ARCHS,
+    one arch's build."""
+
+    @pytest.fixture(scope="module", name=all_name)
+    def all_archs(request, tmp_path_factory):
+        return _builds_per_arch(request, tmp_path_factory, one_name, build, prefix)
+
+    @pytest.fixture(scope="module", params=ARCHS, name=one_name)
+    def one_arch(request):
+        return request.getfixturevalue(all_name)[request.param]
+
+    return all_archs, one_arch
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def draft_build(request, draft_builds):
-    return draft_builds[request.param]
+draft_builds, draft_build = _per_arch_fixtures("draft_builds", "draft_build", DraftBuild, "drafts")
 
 
 def test_draft_kernels_are_built_with_one_ptx_file(draft_build):
@@ -499,15 +507,7 @@ class SnapshotBuild:
         return self.built
 
 
-@pytest.fixture(scope="module")
-def snapshot_builds(request, tmp_path_factory):
-    """arch -> SnapshotBuild, built in parallel (_builds_per_arch)."""
-    return _builds_per_arch(request, tmp_path_factory, "snapshot_build", SnapshotBuild, "snapshot")
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def snapshot_build(request, snapshot_builds):
-    return snapshot_builds[request.param]
+snapshot_builds, snapshot_build = _per_arch_fixtures("snapshot_builds", "snapshot_build", SnapshotBuild, "snapshot")
 
 
 def test_snapshot_kernels_are_built_with_one_ptx_file(snapshot_build):

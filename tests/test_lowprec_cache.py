@@ -217,7 +217,7 @@ class _GDN:
         y_ind, S_ind = R.gdn_conventional_step(S, q, k, v, a, bg, self.A_log, self.dt_bias)
         rec = lambda n: getattr(cache, n)[s, idx].to(F64)[None]  # noqa: E731
         if mode == "rederive":
-            S_h = RL.gdn_replay_rederive(S_prev, rec("ring_k"), rec("ring_g"), rec("ring_v"), rec("ring_beta"))[0]
+            S_h = R.gdn_replay_rederive(S_prev, rec("ring_k"), rec("ring_g"), rec("ring_v"), rec("ring_beta"))[0]
         else:
             S_h = R.gdn_replay(S_prev, rec("ring_u"), rec("ring_k"), rec("ring_g"))
         y, S_new = R.gdn_conventional_step(S_h, q, k, v, a, bg, self.A_log, self.dt_bias)

@@ -44,6 +44,21 @@ def _cache_tensors(cache):
     return [cache.checkpoint, cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin]
 
 
+def _capture(step, slot_ids):
+    """A CUDA graph of ``step(slot_ids)``, compiled first outside capture by one eager run on pad
+    rows only (a side stream)."""
+    pad = torch.full_like(slot_ids, -1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside capture, on pad rows only
+        step(pad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(slot_ids)
+    return graph
+
+
 @pytest.mark.parametrize("shape,window,T,batch", [
     ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("super", 16, 8, 64), ("super", 16, 2, 37), ("odd", 5, 1, 9),
 ])
@@ -126,17 +141,12 @@ def test_verify_commit_cuda_graph():
     static = _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)
     out = torch.empty(batch, T, H, P, dtype=torch.bfloat16, device=dev)
     accepted = torch.ones(batch, dtype=torch.int32, device=dev)
-    pad = torch.full_like(slots, -1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside capture, on pad rows only
-        rs.verify(cache, *static[:2], A, *static[2:], pad, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
-        rs.commit(cache, pad, accepted)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rs.verify(cache, *static[:2], A, *static[2:], slots, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
-        rs.commit(cache, slots, accepted)
+
+    def step(slot_ids):
+        rs.verify(cache, *static[:2], A, *static[2:], slot_ids, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+        rs.commit(cache, slot_ids, accepted)
+
+    graph = _capture(step, slots)
     for replay in range(60):
         for dst, src in zip(static, _tokens((batch, T), H, P, N, G, torch.bfloat16, dev, gen)):
             dst.copy_(src)
@@ -268,17 +278,12 @@ def test_gdn_verify_commit_cuda_graph():
     static = _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)
     out = torch.empty(batch, T, HV, V, dtype=torch.bfloat16, device=dev)
     accepted = torch.ones(batch, dtype=torch.int32, device=dev)
-    pad = torch.full_like(slots, -1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside capture, on pad rows only
-        rs.verify(cache, *static, A_log, dt_bias, pad, out=out)
-        rs.commit(cache, pad, accepted)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rs.verify(cache, *static, A_log, dt_bias, slots, out=out)
-        rs.commit(cache, slots, accepted)
+
+    def step(slot_ids):
+        rs.verify(cache, *static, A_log, dt_bias, slot_ids, out=out)
+        rs.commit(cache, slot_ids, accepted)
+
+    graph = _capture(step, slots)
     flushes = 0
     for replay in range(60):
         for dst, src in zip(static, _gdn_tokens((batch, T), H, HV, K, V, torch.bfloat16, dev, gen)):
@@ -354,21 +359,12 @@ def test_varlen_verify_matches_dense_bit_for_bit(kind, captured):
     step_slots = slots.clone()
     accepted = torch.ones(batch, dtype=torch.int32, device=dev)
 
-    def packed_step():
-        assert run_verify(twin, packed_tokens, step_slots, packed_out, **packed) is packed_out
-        rs.commit(twin, step_slots, accepted)
+    def packed_step(slot_ids=step_slots):
+        assert run_verify(twin, packed_tokens, slot_ids, packed_out, **packed) is packed_out
+        rs.commit(twin, slot_ids, accepted)
 
     if captured:
-        pad = torch.full_like(slots, -1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile outside capture, on pad rows only
-            run_verify(twin, packed_tokens, pad, packed_out, **packed)
-            rs.commit(twin, pad, accepted)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            packed_step()
+        graph = _capture(packed_step, step_slots)
     flushes = 0
     for step in range(40):
         for dst, src in zip(tokens, make_tokens()):

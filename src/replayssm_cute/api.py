@@ -574,24 +574,21 @@ def _snapshot_verify_mamba2(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, 
     _check_conventional(cache)
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
-    b, T = x.shape[:2]
-    _check_snapshots(cache, snapshots, b, T, "x")
-    device = cache.checkpoint.device
-    if b == 0:
-        return out
-    if device.type == "cpu":
+
+    def reference():
         from .reference_spec import mamba2_snapshot_verify_cache_
 
         return mamba2_snapshot_verify_cache_(cache, x, dt, A, B, C, slot_ids, snapshots, D=D, z=z,
                                              dt_bias=dt_bias, dt_softplus=dt_softplus, out=out)
-    _check_device(cache, device)
 
-    from .kernels_host import mamba2_snapshot_kernel
+    def launch(b, T):
+        from .kernels_host import mamba2_snapshot_kernel
 
-    kernel = mamba2_snapshot_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
-                                    dt_softplus, b, config)
-    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, snapshots)
-    return out
+        kernel = mamba2_snapshot_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
+                                        dt_softplus, b, config)
+        kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, snapshots)
+
+    return _run_snapshot_verify(cache, snapshots, x, "x", out, reference, launch)
 
 
 def _snapshot_verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots, *, scale=None, out=None,
@@ -599,20 +596,33 @@ def _snapshot_verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapsho
     _check_conventional(cache)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
-    bsz, T = v.shape[:2]
-    _check_snapshots(cache, snapshots, bsz, T, "v")
-    device = cache.checkpoint.device
-    if bsz == 0:
-        return out
-    if device.type == "cpu":
+
+    def reference():
         from .reference_spec import gdn_snapshot_verify_cache_
 
         return gdn_snapshot_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots,
                                           scale=scale, out=out)
+
+    def launch(bsz, T):
+        from .kernels_host import gdn_snapshot_kernel
+
+        kernel = gdn_snapshot_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
+        kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, snapshots)
+
+    return _run_snapshot_verify(cache, snapshots, v, "v", out, reference, launch)
+
+
+def _run_snapshot_verify(cache, snapshots, tokens: torch.Tensor, name: str, out, reference, launch):
+    """snapshot_verify once the tokens are validated: check ``snapshots`` against the (b, T) of
+    ``tokens`` (the token tensor called ``name``); then nothing for an empty batch, ``reference()``
+    on the CPU, else ``launch(b, T)`` on the GPU. Returns ``out``."""
+    b, T = tokens.shape[:2]
+    _check_snapshots(cache, snapshots, b, T, name)
+    device = cache.checkpoint.device
+    if b == 0:
+        return out
+    if device.type == "cpu":
+        return reference()
     _check_device(cache, device)
-
-    from .kernels_host import gdn_snapshot_kernel
-
-    kernel = gdn_snapshot_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
-    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, snapshots)
+    launch(b, T)
     return out

@@ -559,12 +559,7 @@ class Mamba2Cache(_SlotPool):
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]], A: torch.Tensor) -> torch.Tensor:
         """Current state of each slot, float64 (n, H, P, N): checkpoint + replay of its records
         (a low-precision checkpoint decoded first)."""
-        ids = self._slot_ids(slot_ids, allow_duplicates=True)
-        if not self.is_plain:
-            from . import reference_lowprec
-
-            return reference_lowprec.mamba2_materialize(self, ids, A)
-        return reference.mamba2_materialize(self, ids, A)
+        return reference.mamba2_materialize(self, self._slot_ids(slot_ids, allow_duplicates=True), A)
 
 
 _GDN_DIM_MULTIPLE = 16
@@ -590,16 +585,7 @@ class GDNCache(_SlotPool):
         pad_slot_id: slot id of padding rows, -1 or 0.
         keep_v_beta: also keep v and beta per record (must be False when window == 1). None
             (default): True exactly when there is a read copy, where it must be (forced).
-        checkpoint_format: recurrence checkpoint "fp32" (default), "fp16" or "fp8" (low precision
-            is written with stochastic rounding); "nvfp4" only as a single checkpoint (shared or
-            window == 1). Module docstring: layouts and the SR bits.
-        read_copy: None (default) or "fp16", "fp8", "nvfp4": the copy non-flush steps read,
-            written with round-to-nearest at every flush and prefill load; None at window 1.
-        shared: True asserts the shared configuration: one low-precision checkpoint (SR) for
-            both roles, read_copy None (the same as a low-precision checkpoint_format without
-            read copy).
-        sr_seed: seed of the SR bits, an int in [0, 2^32), or None: drawn from torch's default
-            generator; only with a low-precision checkpoint. Held in ``cache.sr_seed``.
+        checkpoint_format, read_copy, shared, sr_seed: the state copies, as ``Mamba2Cache``.
         flush_corrections: what a flush folds: "rederive" (re-derive every u_j from the
             recurrence checkpoint and the cached (beta, v, k, g), paper Algorithm 6; needs
             keep_v_beta) or "fold" (the cached u_j). None (default): "rederive" with a read
@@ -717,9 +703,4 @@ class GDNCache(_SlotPool):
         """Current state of each slot, float64 (n, HV, V, K): checkpoint + replay of its records
         (a low-precision checkpoint decoded first; with flush_corrections "rederive" the
         corrections re-derived as the next flush will)."""
-        ids = self._slot_ids(slot_ids, allow_duplicates=True)
-        if not self.is_plain:
-            from . import reference_lowprec
-
-            return reference_lowprec.gdn_materialize(self, ids)
-        return reference.gdn_materialize(self, ids)
+        return reference.gdn_materialize(self, self._slot_ids(slot_ids, allow_duplicates=True))

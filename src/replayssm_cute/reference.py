@@ -44,7 +44,9 @@ size ``V``, ``H`` key heads of size ``K`` and value head ``hv`` reads key head
 * ``g = -exp(A_log) * softplus(a + dt_bias)``, ``alpha = exp(g)``, ``beta = sigmoid(b)``
 * ``u = beta * (v - alpha * S k)``; ``S = alpha * S + u k^T``; ``o = S q``
 * ring records, oldest first: ``ring_u (b, h, HV, V)``, ``ring_k (b, h, H, K)`` (normalised
-  keys), ``ring_g (b, h, HV)`` (log decay g).
+  keys), ``ring_g (b, h, HV)`` (log decay g); caches that re-derive corrections at a flush
+  (paper Algorithm 6, ``gdn_replay_rederive``) also keep ``ring_v (b, h, HV, V)`` and
+  ``ring_beta (b, h, HV)``.
 
 The ReplaySSM step needs the state before the token only through ``S k`` and ``S q``, both
 read output-only from checkpoint + ring (``gdn_replay_output``).
@@ -53,7 +55,7 @@ read output-only from checkpoint + ring (``gdn_replay_output``).
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -70,6 +72,7 @@ __all__ = [
     "gdn_normalize",
     "gdn_conventional_step",
     "gdn_replay",
+    "gdn_replay_rederive",
     "gdn_replay_output",
     "gdn_replay_step",
     "gdn_decode_cache_",
@@ -223,39 +226,63 @@ def _store_checkpoint_(cache, slot: int, new_ckpt: Tensor) -> None:
     cache.cursor[slot] = 0
 
 
-def _decode_rows_(cache, slot_ids, nrows: int, per: str, out: Tensor, records, step) -> Tensor:
+class _StateAccess(NamedTuple):
+    """How a cache-level step reaches a slot's state: ``read(cache, slot, flush)`` gives the state
+    (1, *state shape) a step starts from (``flush``: the step folds the ring into the checkpoint);
+    ``store_(cache, slot, state)`` stores the float64 state a flush built and sets cursor = 0."""
+
+    read: Callable[[object, int, bool], Tensor]
+    store_: Callable[[object, int, Tensor], None]
+
+
+# A plain cache: its fp32 checkpoint, read and written as is.
+_PLAIN_CHECKPOINT = _StateAccess(lambda cache, slot, flush: cache.checkpoint[slot : slot + 1], _store_checkpoint_)
+
+
+def _state_access(cache) -> _StateAccess:
+    """The fp32 checkpoint of a plain cache, else the state copies of ``reference_lowprec``."""
+    if getattr(cache, "is_plain", True):
+        return _PLAIN_CHECKPOINT
+    from .reference_lowprec import STATE_COPIES
+
+    return STATE_COPIES
+
+
+def _decode_rows_(state: _StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, step) -> Tensor:
     """The row loop of a cache-level decode step (``*_decode_cache_``); returns ``out``.
 
-    For every active row r (slot s), with h = cursor[s] (h == window admitted with draft room):
-    ``step(checkpoint[s : s + 1], records(cache, s, h), slice(r, r + 1), window)`` gives (y,
-    new_checkpoint, record) for ``window = max(cache.window, h + 1)`` (h == window after a
-    speculative commit: flush all); y[0] is cast into ``out[r]``. Then flush (h + 1 >= window):
-    ``_store_checkpoint_``; otherwise ``record()`` (ring name -> value of the token's record) is
-    written at ring index (origin + h) % capacity and cursor = h + 1.
+    For every active row r (slot s), with h = cursor[s] (h == window admitted with draft room)
+    and flush = h + 1 >= window: ``step(state.read(cache, s, flush), s, h, slice(r, r + 1),
+    window)`` gives (y, new_checkpoint, record) for ``window = max(cache.window, h + 1)`` (h ==
+    window after a speculative commit: flush all); y[0] is cast into ``out[r]``. Then a flush
+    stores new_checkpoint (``state.store_``); otherwise ``record()`` (ring name -> value of the
+    token's record) is written at ring index (origin + h) % capacity and cursor = h + 1.
     """
     for r, s in _active_rows(cache, slot_ids, nrows, per):
         h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        y, new_ckpt, record = step(cache.checkpoint[s : s + 1], records(cache, s, h), slice(r, r + 1),
-                                   max(cache.window, h + 1))
+        flush = h + 1 >= cache.window
+        y, new_ckpt, record = step(state.read(cache, s, flush), s, h, slice(r, r + 1), max(cache.window, h + 1))
         out[r] = y[0].to(dtype=out.dtype, device=out.device)
-        if h + 1 >= cache.window:
-            _store_checkpoint_(cache, s, new_ckpt[0])
+        if flush:
+            state.store_(cache, s, new_ckpt[0])
         else:
             _write_records_(cache, s, (int(cache.origin[s]) + h) % cache.capacity, record())
             cache.cursor[s] = h + 1
     return out
 
 
-def _materialize(cache, slot_ids, state_shape: tuple, records, replay) -> Tensor:
-    """Float64 (n, *state_shape): for each named slot, ``replay(checkpoint, *records(cache, slot,
-    h))``. Slot ids must lie in [0, num_slots); h == window is admitted with draft room."""
+def _materialize(cache, slot_ids, state_shape: tuple, replay) -> Tensor:
+    """Float64 (n, *state_shape): for each named slot, ``replay(checkpoint, slot, h)`` from the
+    checkpoint a flush reads (``_state_access``). Slot ids must lie in [0, num_slots); h ==
+    window is admitted with draft room."""
+    state = _state_access(cache)
     ids = _slot_list(slot_ids)
     out = torch.empty((len(ids),) + state_shape, dtype=_F64, device=cache.checkpoint.device)
     for i, s in enumerate(ids):
         if not 0 <= s < cache.num_slots:
             raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
         h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
-        out[i] = replay(cache.checkpoint[s : s + 1], *records(cache, s, h))[0]
+        out[i] = replay(state.read(cache, s, True), s, h)[0]
     return out
 
 
@@ -489,37 +516,35 @@ def mamba2_decode_cache_(
     window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
     touched. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
 
-    A cache with low-precision state (``not cache.is_plain``) runs
-    ``reference_lowprec.mamba2_decode_lowprec_cache_``.
+    A cache with low-precision state (``not cache.is_plain``) reads and writes its state
+    copies as ``reference_lowprec.mamba2_decode_lowprec_cache_`` describes.
     """
-    if not getattr(cache, "is_plain", True):
-        from .reference_lowprec import mamba2_decode_lowprec_cache_
+    return _mamba2_decode_(_state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
 
-        return mamba2_decode_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+
+def _mamba2_decode_(state: _StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out) -> Tensor:
+    """``mamba2_decode_cache_`` with the slots' state reached through ``state``."""
     (b,) = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias)
     out = _out_buffer(out, x, (b, cache.nheads, cache.headdim))
 
-    def step(ckpt, recs, row, window):
+    def step(S, s, h, row, window):
         y, new_ckpt, _, _, new_dt = mamba2_replay_step(
-            ckpt, *recs, x[row], dt[row], A, B[row], C[row], D, None if z is None else z[row], dt_bias,
-            dt_softplus, window=window, route="output_only",
+            S, *_slot_records(cache, s, h), x[row], dt[row], A, B[row], C[row], D, None if z is None else z[row],
+            dt_bias, dt_softplus, window=window, route="output_only",
         )
         return y, new_ckpt, lambda: {"ring_x": x[row][0], "ring_B": B[row][0], "ring_dt": new_dt[0, -1]}
 
-    return _decode_rows_(cache, slot_ids, b, "x", out, _slot_records, step)
+    return _decode_rows_(state, cache, slot_ids, b, "x", out, step)
 
 
 def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
-    """Current state of each named slot, float64 (n, H, P, N): checkpoint + replay of its
-    committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
-    with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
-    if not getattr(cache, "is_plain", True):
-        from . import reference_lowprec
-
-        return reference_lowprec.mamba2_materialize(cache, slot_ids, A)
+    """Current state of each named slot, float64 (n, H, P, N): checkpoint (decoded, for a
+    low-precision one) + replay of its committed records (read as stored). Slot ids must lie in
+    [0, num_slots). A cache with draft room (max_draft > 0) admits h == window (left by a
+    speculative commit)."""
     return _materialize(
-        cache, slot_ids, (cache.nheads, cache.headdim, cache.dstate), _slot_records,
-        lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
+        cache, slot_ids, (cache.nheads, cache.headdim, cache.dstate),
+        lambda ckpt, s, h: mamba2_replay(ckpt, *_slot_records(cache, s, h), A),
     )
 
 
@@ -608,6 +633,31 @@ def gdn_replay(checkpoint: Tensor, ring_u: Tensor, ring_k: Tensor, ring_g: Tenso
         k_v = _key_to_value_heads(_f64(ring_k[:, j]), HV)  # (bsz, HV, K)
         S = alpha_j[:, :, None, None] * S + _f64(ring_u[:, j])[:, :, :, None] * k_v[:, :, None, :]
     return S
+
+
+def gdn_replay_rederive(
+    checkpoint: Tensor, ring_k: Tensor, ring_g: Tensor, ring_v: Tensor, ring_beta: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """Fold h records into the checkpoint re-deriving each correction on the way (paper
+    Algorithm 6, line 8): for j in order, with S the state before record j,
+
+        u_j = beta_j (v_j - alpha_j S k_j);  S = alpha_j S + u_j k_j^T,  alpha_j = exp(g_j)
+
+    checkpoint (b, HV, V, K); ring_k (b, h, H, K) normalised keys, ring_g (b, h, HV), ring_v
+    (b, h, HV, V), ring_beta (b, h, HV). Returns (state after the h records, u (b, h, HV, V)),
+    float64. The cached corrections are not read.
+    """
+    S = _f64(checkpoint).clone()
+    HV = S.shape[1]
+    us = []
+    for j in range(ring_k.shape[1]):
+        alpha = torch.exp(_f64(ring_g[:, j]))  # (b, HV)
+        k_v = _key_to_value_heads(_f64(ring_k[:, j]), HV)  # (b, HV, K)
+        u = _f64(ring_beta[:, j])[:, :, None] * (_f64(ring_v[:, j]) - alpha[:, :, None] * _state_dot(S, k_v))
+        S = alpha[:, :, None, None] * S + u[:, :, :, None] * k_v[:, :, None, :]
+        us.append(u)
+    U = torch.stack(us, dim=1) if us else torch.zeros(S.shape[:1] + (0,) + S.shape[1:3], dtype=_F64, device=S.device)
+    return S, U
 
 
 def gdn_replay_output(checkpoint: Tensor, ring_u: Tensor, ring_k: Tensor, ring_g: Tensor, x: Tensor) -> Tensor:
@@ -702,6 +752,18 @@ def _gdn_slot_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor]
     return _ring_records(cache, slot, h, (("ring_u", (HV, V)), ("ring_k", (H, K)), ("ring_g", (HV,))))
 
 
+def _gdn_raw_records(cache, slot: int, h: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The h committed records' (k, g, v, beta) of one GDN slot, oldest first, float64 as stored."""
+    HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+    return _ring_records(cache, slot, h, (("ring_k", (H, K)), ("ring_g", (HV,)), ("ring_v", (HV, V)),
+                                          ("ring_beta", (HV,))))
+
+
+def _rederive(cache) -> bool:
+    """True when the cache's flushes re-derive the committed corrections (paper Algorithm 6)."""
+    return getattr(cache, "flush_corrections", "fold") == "rederive"
+
+
 def _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts: bool = False, check_v: bool = True) -> tuple:
     """Check a GDN token batch against ``cache``; returns its leading dims: (bsz,), or
     (bsz, T) with ``drafts`` (a draft axis). ``check_v=False`` checks v's rank only."""
@@ -763,18 +825,27 @@ def gdn_decode_cache_(
     touched. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
 
     A cache with low-precision state or re-derived flush corrections (``not cache.is_plain``)
-    runs ``reference_lowprec.gdn_decode_lowprec_cache_``.
+    reads and writes its state copies as ``reference_lowprec.gdn_decode_lowprec_cache_``
+    describes; a "rederive" flush rebuilds the state before the token with
+    ``gdn_replay_rederive`` from the checkpoint and the records' (k, g, v, beta), then takes the
+    token's step (``gdn_conventional_step``: u from that state, o = S_new q).
     """
-    if not getattr(cache, "is_plain", True):
-        from .reference_lowprec import gdn_decode_lowprec_cache_
+    return _gdn_decode_(_state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
 
-        return gdn_decode_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+
+def _gdn_decode_(state: _StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out) -> Tensor:
+    """``gdn_decode_cache_`` with the slots' state reached through ``state``."""
     (bsz,) = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias)
     out = _out_buffer(out, v, (bsz, cache.num_v_heads, cache.head_v_dim))
 
-    def step(ckpt, recs, row, window):
+    def step(S, s, h, row, window):
+        if h + 1 >= cache.window and _rederive(cache):
+            S_h, _ = gdn_replay_rederive(S, *_gdn_raw_records(cache, s, h))
+            o, new_ckpt = gdn_conventional_step(S_h, q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale)
+            return o, new_ckpt, None  # a flush stores no record
         o, new_ckpt, new_u, new_k, new_g = gdn_replay_step(
-            ckpt, *recs, q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale, window=window
+            S, *_gdn_slot_records(cache, s, h), q[row], k[row], v[row], a[row], b[row], A_log, dt_bias, scale,
+            window=window,
         )
 
         def record():
@@ -783,17 +854,19 @@ def gdn_decode_cache_(
 
         return o, new_ckpt, record
 
-    return _decode_rows_(cache, slot_ids, bsz, "v", out, _gdn_slot_records, step)
+    return _decode_rows_(state, cache, slot_ids, bsz, "v", out, step)
 
 
 def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
-    """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint + replay of
-    its committed records (read as stored). Slot ids must lie in [0, num_slots). A cache
-    with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
-    if not getattr(cache, "is_plain", True):
-        from . import reference_lowprec
+    """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint (decoded, for a
+    low-precision one) + its committed records, folded as the next flush will (corrections
+    re-derived with ``flush_corrections == "rederive"``, else the cached ones, read as stored).
+    Slot ids must lie in [0, num_slots). A cache with draft room (max_draft > 0) admits h ==
+    window (left by a speculative commit)."""
 
-        return reference_lowprec.gdn_materialize(cache, slot_ids)
-    return _materialize(
-        cache, slot_ids, (cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), _gdn_slot_records, gdn_replay
-    )
+    def replay(ckpt, s, h):
+        if _rederive(cache):
+            return gdn_replay_rederive(ckpt, *_gdn_raw_records(cache, s, h))[0]
+        return gdn_replay(ckpt, *_gdn_slot_records(cache, s, h))
+
+    return _materialize(cache, slot_ids, (cache.num_v_heads, cache.head_v_dim, cache.head_k_dim), replay)

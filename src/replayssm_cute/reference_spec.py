@@ -59,11 +59,13 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .reference import (
+    _StateAccess,
     _active_rows,
     _check_shape,
     _f64,
     _finish_output,
     _gdn_lead,
+    _gdn_raw_records,
     _gdn_records,
     _gdn_slot_records,
     _group_to_head,
@@ -71,15 +73,17 @@ from .reference import (
     _key_to_value_heads,
     _mamba2_lead,
     _out_buffer,
+    _rederive,
     _slot_cursor,
     _slot_list,
     _slot_records,
-    _store_checkpoint_,
+    _state_access,
     _write_records_,
     gdn_conventional_step,
     gdn_gates,
     gdn_normalize,
     gdn_replay,
+    gdn_replay_rederive,
     mamba2_conventional_step,
     mamba2_dt,
     mamba2_replay,
@@ -161,29 +165,29 @@ def _ring_positions(cache, slot: int, h: int, T: int) -> Tensor:
     return torch.tensor([(o + h + i) % cache.capacity for i in range(T)], device=cache.checkpoint.device)
 
 
-def _flush_(cache, slot: int, h: int, new_ckpt: Tensor) -> None:
-    """Store the folded checkpoint and drop the h committed records by moving the origin."""
-    _store_checkpoint_(cache, slot, new_ckpt)
-    cache.origin[slot] = (int(cache.origin[slot]) + h) % cache.capacity
-
-
-def _verify_rows_(cache, slot_ids, nrows: int, per: str, out: Tensor, T: int, records, verify, replay) -> Tensor:
+def _verify_rows_(
+    state: _StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, T: int, records, verify, replay
+) -> Tensor:
     """The row loop of a cache-level verify step (``*_verify_cache_``); returns ``out``.
 
-    For every active row r (slot s), with h = cursor[s] (0 <= h <= window): ``verify(checkpoint[s
-    : s + 1], records(cache, s, h), slice(r, r + 1))`` gives (outputs, records of the T drafts
-    as ring name -> value); outputs[0] is cast into ``out[r]``, the drafts are written at
-    ``_ring_positions`` and, if ``spec_flush``, the slot flushes: ``_flush_`` with
-    ``replay(checkpoint[s : s + 1], *committed records)``.
+    For every active row r (slot s), with h = cursor[s] (0 <= h <= window), flush =
+    ``spec_flush`` and S = ``state.read(cache, s, flush)``: ``verify(S, recs, slice(r, r + 1))``
+    with recs = ``records(s, h, flush, S)`` (the committed records) gives (outputs, records of
+    the T drafts as ring name -> value); outputs[0] is cast into ``out[r]`` and the drafts are
+    written at ``_ring_positions``. A flush stores ``replay(S, *recs)`` (``state.store_``) and
+    drops the h committed records by moving the origin.
     """
     for r, s in _active_rows(cache, slot_ids, nrows, per):
         h = _slot_cursor(cache, s, allow_full=True)
-        recs = records(cache, s, h)
-        y, drafts = verify(cache.checkpoint[s : s + 1], recs, slice(r, r + 1))
+        flush = spec_flush(h, T, cache.window)
+        S = state.read(cache, s, flush)
+        recs = records(s, h, flush, S)
+        y, drafts = verify(S, recs, slice(r, r + 1))
         out[r] = y[0].to(dtype=out.dtype, device=out.device)
         _write_records_(cache, s, _ring_positions(cache, s, h, T), drafts)
-        if spec_flush(h, T, cache.window):
-            _flush_(cache, s, h, replay(cache.checkpoint[s : s + 1], *recs)[0])
+        if flush:
+            state.store_(cache, s, replay(S, *recs)[0])
+            cache.origin[s] = (int(cache.origin[s]) + h) % cache.capacity
     return out
 
 
@@ -294,12 +298,14 @@ def mamba2_verify_cache_(
     fp32) written at (o + h + i) % capacity; if h + T > window, flush: checkpoint =
     Replay(checkpoint, the h committed records) in fp32, origin = (o + h) % capacity, cursor
     = 0. Cursors are not advanced: ``commit_cache_`` does that. ``arrivals`` is not touched.
-    A cache with low-precision state runs ``reference_lowprec.mamba2_verify_lowprec_cache_``.
+    A cache with low-precision state reads and writes its state copies as
+    ``reference_lowprec.mamba2_verify_lowprec_cache_`` describes.
     """
-    if not getattr(cache, "is_plain", True):
-        from .reference_lowprec import mamba2_verify_lowprec_cache_
+    return _mamba2_verify_(_state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
 
-        return mamba2_verify_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+
+def _mamba2_verify_(state: _StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out) -> Tensor:
+    """``mamba2_verify_cache_`` with the slots' state reached through ``state``."""
     b, T = _mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts=True)
     _num_drafts(cache, T, "x")
     out = _out_buffer(out, x, (b, T, cache.nheads, cache.headdim))
@@ -311,7 +317,7 @@ def mamba2_verify_cache_(
         return y, {"ring_x": x[row][0], "ring_B": B[row][0], "ring_dt": dt_d[0]}
 
     return _verify_rows_(
-        cache, slot_ids, b, "x", out, T, _slot_records, verify,
+        state, cache, slot_ids, b, "x", out, T, lambda s, h, flush, ckpt: _slot_records(cache, s, h), verify,
         lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
     )
 
@@ -448,12 +454,14 @@ def gdn_verify_cache_(
     capacity; if h + T > window, flush: checkpoint = Replay(checkpoint, the h committed records)
     in fp32, origin = (o + h) % capacity, cursor = 0. Cursors are not advanced (see
     ``commit_cache_``). ``arrivals`` is not touched. A cache with low-precision state or
-    re-derived flush corrections runs ``reference_lowprec.gdn_verify_lowprec_cache_``.
+    re-derived flush corrections reads and writes its state copies and re-derives as
+    ``reference_lowprec.gdn_verify_lowprec_cache_`` describes.
     """
-    if not getattr(cache, "is_plain", True):
-        from .reference_lowprec import gdn_verify_lowprec_cache_
+    return _gdn_verify_(_state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
 
-        return gdn_verify_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+
+def _gdn_verify_(state: _StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out) -> Tensor:
+    """``gdn_verify_cache_`` with the slots' state reached through ``state``."""
     bsz, T = _gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts=True)
     _num_drafts(cache, T, "v")
     out = _out_buffer(out, v, (bsz, T, cache.num_v_heads, cache.head_v_dim))
@@ -464,7 +472,13 @@ def gdn_verify_cache_(
         )
         return o, _gdn_records(cache, u_d[0], kn[0], g[0], v[row][0], beta[0])
 
-    return _verify_rows_(cache, slot_ids, bsz, "v", out, T, _gdn_slot_records, verify, gdn_replay)
+    def records(s, h, flush, ckpt):
+        recs = _gdn_slot_records(cache, s, h)
+        if flush and _rederive(cache):  # Algorithm 6: the checkpoint's own corrections, for drafts and fold
+            recs = (gdn_replay_rederive(ckpt, *_gdn_raw_records(cache, s, h))[1],) + recs[1:]
+        return recs
+
+    return _verify_rows_(state, cache, slot_ids, bsz, "v", out, T, records, verify, gdn_replay)
 
 
 # ============================================================================= commit
