@@ -1,0 +1,606 @@
+"""Output error of low-precision SSM state against a float64 recurrence, as a function of the
+generation length N (issue 6): the CPU reference of every cache configuration.
+
+    python sweeps/error_growth.py                          # 4096 tokens, every configuration, both layers
+    python sweeps/error_growth.py --tokens 65536 --plot sweeps/results/error_growth_64k.png
+    python sweeps/error_growth.py --layers gdn --configs shared-fp8,sep-fp32-fp8,sep-fp32-fp8-fold
+    python sweeps/error_growth.py --list                   # the configurations
+
+For each layer type (Mamba-2, Gated DeltaNet) and configuration, a cache is driven step by step
+through the public API (``replayssm_cute.decode`` with CPU tensors runs the float64-semantics
+reference, ``reference_lowprec`` for low-precision caches) with random inputs, and every step's
+output is compared with a plain float64 recurrence run alongside on the same inputs
+(``reference.mamba2_conventional_step`` / ``reference.gdn_conventional_step``). Both start from
+the same prefill state: ``--prefill`` tokens of the float64 recurrence from zero, rounded to fp32
+and handed to ``load_prefill`` (prefill is full precision; rounding enters through the
+checkpoint writes of decoding, as in the paper's Section 7.4).
+
+Per step n = 1..N_max:
+
+* rel_err_output = ||y - y_ref|| / ||y_ref||, norms over the whole step output (batch rows x
+  heads x head dim); y is the cache's fp32 output, y_ref the float64 recurrence's.
+* rel_err_state = ||S_ckpt - S_ref|| / ||S_ref|| of the recurrence checkpoint (decoded, the whole
+  batch) on the steps that write it (every step at L = 1, every L-th step otherwise, the
+  cursor back at 0); not available on the other steps.
+
+Reported at N = 1, 2, 4, ..., N_max (powers of two up to --tokens): the mean over the steps n
+with N / sqrt(2) < n <= N * sqrt(2) (n <= --tokens), so the windows tile the run; rel_err_state
+is the mean over the checkpoint writes in that window and empty where there are none (N < L).
+
+Configurations (``--list``): ``conv-*`` conventional decoding (L = 1), the state written every
+step, SR below fp32; ``shared-*`` ReplaySSM with one low-precision SR checkpoint serving both
+roles; ``replay-fp32`` ReplaySSM with the fp32 checkpoint; ``sep-C-R`` ReplaySSM with a recurrence
+checkpoint C (fp32, fp16+SR, fp8+SR) and a read copy R (fp16, fp8, nvfp4; RTN). GDN only:
+``sep-C-R`` re-derive the corrections at a flush (paper Algorithm 6, the cache default with a
+read copy) and ``sep-C-R-fold`` fold the cached ones; ``replay-fp32`` folds (the default without a
+read copy) and ``replay-fp32-rederive`` re-derives.
+
+Inputs: random, activations fp32 (the output is stored in the activation dtype, so bf16 would
+put a 2^-9 floor under every configuration). Decays include slow heads: per-head decay rates
+-log(alpha) spread log-uniformly over --rates (default 5e-5..0.1: at 4 heads alpha ~ 0.99995,
+0.9994, 0.992, 0.905 nominal), times a per-token factor (softplus of a random gate). Note
+that a GDN cache keeps its corrections u in an fp16 ring whatever the state formats, so GDN's
+ReplaySSM outputs (and a "fold" flush) carry fp16 rounding even with an fp32 checkpoint.
+
+--device cuda is refused for now: the GPU kernels for low-precision caches are not built yet.
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import replayssm_cute as rs  # noqa: E402
+from replayssm_cute import reference as R  # noqa: E402
+
+PROG = "error_growth"
+LAYERS = ("mamba2", "gdn")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "error_growth_cpu.csv"
+DEFAULT_TOKENS = 4096
+MAX_TOKENS = 65536
+DEFAULT_SHAPES = {"mamba2": (4, 16, 32, 1), "gdn": (4, 32, 32, 1)}  # H,P,N,G | HV,V,K,H
+SHAPE_NAMES = {"mamba2": "H,P,N,G", "gdn": "HV,V,K,H"}
+DEFAULT_RATES = (5e-5, 0.1)
+COLUMNS = ("layer", "config", "checkpoint_format", "read_copy", "shared", "window", "flush_corrections", "N",
+           "rel_err_output", "rel_err_state")
+CUDA_REFUSED = ("--device cuda: the GPU kernels for low-precision caches are not built yet; this runs the "
+                "reference on the CPU (use --device cpu, the default)")
+NO_MATPLOTLIB = ("--plot needs matplotlib, which is not installed: pip install 'replayssm-cute[plots]' "
+                 "(or pip install matplotlib), or leave out --plot")
+MAMBA2_DT_MEAN = 0.1  # dt ~ softplus(dt_bias + noise) with softplus(dt_bias) = this
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class Config:
+    """One cache configuration. ``window`` None: the sweep's --window (ReplaySSM); 1:
+    conventional. ``flush_corrections`` None: the cache's default."""
+
+    name: str
+    checkpoint_format: str
+    read_copy: Optional[str]
+    window: Optional[int]
+    flush_corrections: Optional[str] = None
+    layers: tuple = LAYERS
+    about: str = ""
+
+
+def _configurations() -> Dict[str, Config]:
+    cfgs = [Config("conv-fp32", "fp32", None, 1, about="conventional (L = 1), fp32 state: the floor")]
+    cfgs += [Config(f"conv-{f}", f, None, 1, about=f"conventional (L = 1), {f}+SR state written every step")
+             for f in ("fp16", "fp8", "nvfp4")]
+    cfgs += [Config(f"shared-{f}", f, None, None, about=f"ReplaySSM, one {f}+SR checkpoint for both roles")
+             for f in ("fp16", "fp8", "nvfp4")]
+    cfgs.append(Config("replay-fp32", "fp32", None, None,
+                       about="ReplaySSM, fp32 checkpoint, no read copy (GDN: cached corrections folded)"))
+    cfgs.append(Config("replay-fp32-rederive", "fp32", None, None, "rederive", ("gdn",),
+                       about="ReplaySSM, fp32 checkpoint, no read copy, corrections re-derived at a flush"))
+    for c in ("fp32", "fp16", "fp8"):
+        ck = "fp32" if c == "fp32" else f"{c}+SR"
+        for r in ("fp16", "fp8", "nvfp4"):
+            cfgs.append(Config(f"sep-{c}-{r}", c, r, None,
+                               about=f"ReplaySSM, {ck} recurrence checkpoint + {r} read copy (GDN: re-derive)"))
+    for c in ("fp32", "fp16", "fp8"):
+        for r in ("fp16", "fp8", "nvfp4"):
+            cfgs.append(Config(f"sep-{c}-{r}-fold", c, r, None, "fold", ("gdn",),
+                               about=f"as sep-{c}-{r}, the cached corrections folded at a flush"))
+    return {c.name: c for c in cfgs}
+
+
+CONFIGS = _configurations()
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _inv_softplus(y: float) -> float:
+    return math.log(math.expm1(y))
+
+
+def head_rates(nheads: int, rates: Sequence[float]) -> torch.Tensor:
+    """Per-head decay rates -log(alpha), log-uniformly spaced over [rates[0], rates[1]], float64."""
+    lo, hi = rates
+    if nheads == 1:
+        return torch.tensor([lo], dtype=torch.float64)
+    return torch.logspace(math.log10(lo), math.log10(hi), nheads, dtype=torch.float64)
+
+
+class _Mamba2:
+    """Mamba-2 layer: cache, random token inputs, decode through the API, float64 reference step."""
+
+    name = "mamba2"
+
+    def __init__(self, shape, batch: int, rates):
+        self.H, self.P, self.N, self.G = shape
+        self.batch = batch
+        # alpha = exp(A dt), dt = softplus(dt_raw + dt_bias) with softplus(dt_bias) = MAMBA2_DT_MEAN
+        self.A = (-head_rates(self.H, rates) / MAMBA2_DT_MEAN).float()
+        self.dt_bias = torch.full((self.H,), _inv_softplus(MAMBA2_DT_MEAN), dtype=torch.float32)
+        self.state_shape = (self.H, self.P, self.N)
+
+    def make_cache(self, window: int, device, **formats):
+        return rs.Mamba2Cache(self.batch, self.H, self.P, self.N, self.G, window=window, dtype=torch.float32,
+                              device=device, **formats)
+
+    def draw(self, g: torch.Generator) -> dict:
+        b, H, P, N, G = self.batch, self.H, self.P, self.N, self.G
+        return {"x": torch.randn(b, H, P, generator=g), "dt": 0.5 * torch.randn(b, H, generator=g),
+                "B": torch.randn(b, G, N, generator=g) / math.sqrt(N),
+                "C": torch.randn(b, G, N, generator=g) / math.sqrt(N)}
+
+    def reference(self, S: torch.Tensor, t: dict):
+        return R.mamba2_conventional_step(S, t["x"], t["dt"], self.A, t["B"], t["C"], None, None, self.dt_bias, True)
+
+    def decode(self, cache, t: dict, ids: torch.Tensor) -> torch.Tensor:
+        return rs.decode(cache, t["x"], t["dt"], self.A, t["B"], t["C"], ids, dt_bias=self.dt_bias, dt_softplus=True)
+
+
+class _GDN:
+    """Gated DeltaNet layer: as _Mamba2."""
+
+    name = "gdn"
+
+    def __init__(self, shape, batch: int, rates):
+        self.HV, self.V, self.K, self.Hk = shape
+        self.batch = batch
+        # g = -exp(A_log) softplus(a + dt_bias) with softplus(dt_bias) = 1: -log(alpha) ~ rate * O(1)
+        self.A_log = torch.log(head_rates(self.HV, rates)).float()
+        self.dt_bias = torch.full((self.HV,), _inv_softplus(1.0), dtype=torch.float32)
+        self.state_shape = (self.HV, self.V, self.K)
+
+    def make_cache(self, window: int, device, **formats):
+        return rs.GDNCache(self.batch, self.HV, self.V, self.K, self.Hk, window=window, dtype=torch.float32,
+                           device=device, **formats)
+
+    def draw(self, g: torch.Generator) -> dict:
+        b, HV, V, K, H = self.batch, self.HV, self.V, self.K, self.Hk
+        return {"q": torch.randn(b, H, K, generator=g), "k": torch.randn(b, H, K, generator=g),
+                "v": torch.randn(b, HV, V, generator=g), "a": 0.5 * torch.randn(b, HV, generator=g),
+                "b": torch.randn(b, HV, generator=g)}
+
+    def reference(self, S: torch.Tensor, t: dict):
+        return R.gdn_conventional_step(S, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias)
+
+    def decode(self, cache, t: dict, ids: torch.Tensor) -> torch.Tensor:
+        return rs.decode(cache, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias, ids)
+
+
+def make_layer(layer: str, shape, batch: int, rates):
+    return (_Mamba2 if layer == "mamba2" else _GDN)(shape, batch, rates)
+
+
+def cache_options(cfg: Config, layer: str, window: int, seed: int) -> dict:
+    """Keyword arguments of the cache constructor for ``cfg`` (the window included)."""
+    opts = {"window": cfg.window or window, "checkpoint_format": cfg.checkpoint_format, "read_copy": cfg.read_copy}
+    if cfg.checkpoint_format != "fp32":
+        opts["sr_seed"] = seed & 0xFFFFFFFF
+    if layer == "gdn" and cfg.flush_corrections is not None:
+        opts["flush_corrections"] = cfg.flush_corrections
+        if cfg.flush_corrections == "rederive" and cfg.read_copy is None:
+            opts["keep_v_beta"] = True  # re-deriving needs the cached (v, beta)
+    return opts
+
+
+def make_cache(lay, cfg: Config, window: int, seed: int, device: str = "cpu"):
+    """The cache of one configuration. Only the CPU reference exists for low-precision caches
+    today; the GPU kernels slot in here (and ``main`` stops refusing --device cuda)."""
+    if device != "cpu":
+        raise NotImplementedError(CUDA_REFUSED)
+    opts = cache_options(cfg, lay.name, window, seed)
+    return lay.make_cache(opts.pop("window"), device, **opts)
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True)
+class Job:
+    layer: str
+    config: str
+    shape: tuple
+    batch: int
+    tokens: int
+    prefill: int
+    window: int
+    rates: tuple
+    seed: int
+    device: str = "cpu"
+
+
+def _rel(err: torch.Tensor, ref: torch.Tensor) -> float:
+    den = float(torch.linalg.vector_norm(ref))
+    return float(torch.linalg.vector_norm(err)) / den if den > 0 else float("nan")
+
+
+def prefill_state(lay, prefill: int, g: torch.Generator) -> torch.Tensor:
+    """The state after ``prefill`` tokens of the float64 recurrence from zero, rounded to fp32."""
+    S = torch.zeros((lay.batch,) + lay.state_shape, dtype=torch.float64)
+    for _ in range(prefill):
+        S = lay.reference(S, lay.draw(g))[1]
+    return S.to(torch.float32)
+
+
+def run_job(job: Job, tick=None) -> dict:
+    """Drive one configuration's cache for job.tokens steps next to the float64 recurrence.
+    Returns {"out": per-step rel_err_output, "state": per-step rel_err_state (nan where the
+    checkpoint is not written), "meta": the CSV's configuration fields}. ``tick(n)`` is
+    called every few steps with the number of steps done since the last call."""
+    cfg = CONFIGS[job.config]
+    lay = make_layer(job.layer, job.shape, job.batch, job.rates)
+    g = torch.Generator().manual_seed(job.seed)  # the same inputs for every configuration of a layer
+    S32 = prefill_state(lay, job.prefill, g)
+    cache = make_cache(lay, cfg, job.window, job.seed, job.device)
+    ids = torch.arange(job.batch, dtype=torch.int32)
+    cache.load_prefill(ids, S32)
+    S = S32.to(torch.float64)
+    rel_out = torch.full((job.tokens,), float("nan"), dtype=torch.float64)
+    rel_state = torch.full((job.tokens,), float("nan"), dtype=torch.float64)
+    every = 64
+    for n in range(job.tokens):
+        t = lay.draw(g)
+        y_ref, S = lay.reference(S, t)
+        y = lay.decode(cache, t, ids)
+        rel_out[n] = _rel(y.to(torch.float64) - y_ref, y_ref)
+        if not bool(cache.cursor.any()):  # every row flushed: the checkpoint holds the state after token n
+            rel_state[n] = _rel(cache.read_state(ids, "checkpoint").to(torch.float64) - S, S)
+        if tick is not None and (n + 1) % every == 0:
+            tick(every)
+    if tick is not None and job.tokens % every:
+        tick(job.tokens % every)
+    meta = {"layer": job.layer, "config": cfg.name, "checkpoint_format": cfg.checkpoint_format,
+            "read_copy": cfg.read_copy or "none", "shared": cache.shared, "window": cache.window,
+            "flush_corrections": getattr(cache, "flush_corrections", "") or ""}
+    return {"out": rel_out, "state": rel_state, "meta": meta}
+
+
+def points(tokens: int) -> List[int]:
+    """N = 1, 2, 4, ... <= tokens."""
+    return [1 << i for i in range(tokens.bit_length()) if 1 << i <= tokens]
+
+
+def window_steps(N: int, tokens: int) -> range:
+    """Steps n (1-based) averaged for point N: N / sqrt(2) < n <= N sqrt(2), n <= tokens (exact:
+    2 n^2 > N^2 and n^2 <= 2 N^2)."""
+    return range(math.isqrt(N * N // 2) + 1, min(math.isqrt(2 * N * N), tokens) + 1)
+
+
+def summarize(result: dict, tokens: int) -> List[dict]:
+    """CSV rows of one run: per point N the window means of rel_err_output and rel_err_state."""
+    rows = []
+    for N in points(tokens):
+        steps = window_steps(N, tokens)
+        out = result["out"][steps.start - 1: steps.stop - 1]
+        st = result["state"][steps.start - 1: steps.stop - 1]
+        st = st[~torch.isnan(st)]
+        rows.append(dict(result["meta"], N=N, rel_err_output=float(out.mean()),
+                         rel_err_state=float(st.mean()) if len(st) else None))
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6e}"
+    return str(v)
+
+
+def write_csv(rows: List[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for r in rows:
+            w.writerow([_fmt(r[c]) for c in COLUMNS])
+    os.replace(tmp, path)
+
+
+def read_csv(path) -> List[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def summary_table(rows: List[dict], at: Sequence[int]) -> str:
+    """Markdown table: rel_err_output at the points ``at``, one row per configuration, one column
+    group per layer."""
+    layers = [la for la in LAYERS if any(r["layer"] == la for r in rows)]
+    val = {(r["layer"], r["config"], int(r["N"])): float(r["rel_err_output"]) for r in rows}
+    names = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    head = ["configuration"] + [f"{'Mamba-2' if la == 'mamba2' else 'GDN'} N={N}" for la in layers for N in at]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for c in names:
+        cells = [val.get((la, c, N)) for la in layers for N in at]
+        lines.append("| " + " | ".join([c] + ["" if v is None else f"{v:.2e}" for v in cells]) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: Path) -> None:
+    """A log-log plot of rel_err_output against N, one panel per layer, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [la for la in LAYERS if any(r["layer"] == la for r in rows)]
+    fig, axes = plt.subplots(1, len(layers), figsize=(7.5 * len(layers), 6.5), squeeze=False)
+    styles = {"conv": ":", "shared": "--", "replay": "-.", "sep": "-"}
+    for ax, la in zip(axes[0], layers):
+        names = [c for c in CONFIGS if any(r["layer"] == la and r["config"] == c for r in rows)]
+        cmap = plt.get_cmap("tab20")
+        for i, c in enumerate(names):
+            pts = sorted((int(r["N"]), float(r["rel_err_output"])) for r in rows
+                         if r["layer"] == la and r["config"] == c)
+            ax.loglog([p[0] for p in pts], [max(p[1], 1e-12) for p in pts], styles[c.split("-")[0]],
+                      color=cmap(i % 20), marker="o", markersize=3, label=c)
+        ax.set_title(f"{'Mamba-2' if la == 'mamba2' else 'Gated DeltaNet'}: output error vs float64 "
+                     "(CPU reference)")
+        ax.set_xlabel("generation length N (tokens)")
+        ax.set_ylabel("relative output error (window mean)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def require_matplotlib() -> Optional[str]:
+    """None when matplotlib imports, else the message to show."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return NO_MATPLOTLIB
+    return None
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _int_tuple(ap, flag: str, text: str, n: int) -> tuple:
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        ap.error(f"{flag}: expected {n} comma-separated integers, got {text!r}")
+    if len(vals) != n or min(vals) < 1:
+        ap.error(f"{flag}: expected {n} comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def _names(ap, flag: str, text: str, valid: Sequence[str]) -> List[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        ap.error(f"{flag}: empty list")
+    bad = [s for s in names if s not in valid]
+    if bad:
+        ap.error(f"{flag}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
+    return list(dict.fromkeys(names))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                    help=f"generation length N_max (default {DEFAULT_TOKENS}; up to {MAX_TOKENS})")
+    ap.add_argument("--configs", default="all", help="comma-separated configurations (--list), or 'all' (default)")
+    ap.add_argument("--layers", default=",".join(LAYERS), help="comma-separated: mamba2, gdn (default both)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the SR bits (default 0)")
+    ap.add_argument("--batch", type=int, default=2, help="batch rows (default 2)")
+    ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L (default 16; conv-* use 1)")
+    ap.add_argument("--prefill", type=int, default=256,
+                    help="tokens of float64 recurrence from zero before decoding (default 256)")
+    ap.add_argument("--rates", default=f"{DEFAULT_RATES[0]:g},{DEFAULT_RATES[1]:g}",
+                    help="MIN,MAX per-head decay rates -log(alpha), log-uniform over the heads "
+                         f"(default {DEFAULT_RATES[0]:g},{DEFAULT_RATES[1]:g})")
+    ap.add_argument("--mamba2-shape", default=",".join(map(str, DEFAULT_SHAPES["mamba2"])),
+                    help="Mamba-2 H,P,N,G (default %(default)s)")
+    ap.add_argument("--gdn-shape", default=",".join(map(str, DEFAULT_SHAPES["gdn"])),
+                    help="GDN HV,V,K,H (default %(default)s)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="CSV to write (default sweeps/results/error_growth_cpu.csv)")
+    ap.add_argument("--plot", type=Path, metavar="FILE.png", help="also write a log-log plot per layer (matplotlib)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="worker processes, one configuration each at a time (default: CPU cores)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cpu (default): the float64 reference; cuda: refused until the kernels exist")
+    ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines (default 10)")
+    ap.add_argument("--list", action="store_true", help="list the configurations and exit")
+    return ap
+
+
+def parse(argv=None):
+    """Parsed and validated arguments, with ``jobs`` (a list of Job) added."""
+    ap = make_parser()
+    args = ap.parse_args(argv)
+    if args.list:
+        return args
+    if args.device == "cuda":
+        ap.error(CUDA_REFUSED)
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        ap.error(f"--tokens must be in [1, {MAX_TOKENS}], got {args.tokens}")
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    if args.window < 2:
+        ap.error(f"--window must be >= 2 (ReplaySSM; the conv-* configurations use 1), got {args.window}")
+    if args.prefill < 0:
+        ap.error(f"--prefill must be >= 0, got {args.prefill}")
+    if args.jobs is not None and args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.progress_every <= 0:
+        ap.error(f"--progress-every must be > 0, got {args.progress_every}")
+    try:
+        rates = tuple(float(v) for v in args.rates.split(","))
+    except ValueError:
+        rates = ()
+    if len(rates) != 2 or not (0 < rates[0] <= rates[1] < 20):
+        ap.error(f"--rates: expected MIN,MAX with 0 < MIN <= MAX < 20 (decay rates -log(alpha)), got {args.rates!r}")
+    args.rates = rates
+    layers = _names(ap, "--layers", args.layers, LAYERS)
+    configs = list(CONFIGS) if args.configs.strip() == "all" else _names(ap, "--configs", args.configs, list(CONFIGS))
+    shapes = {"mamba2": _int_tuple(ap, "--mamba2-shape", args.mamba2_shape, 4),
+              "gdn": _int_tuple(ap, "--gdn-shape", args.gdn_shape, 4)}
+    if args.plot is not None and (msg := require_matplotlib()):
+        ap.error(msg)
+    jobs = []
+    for la in layers:
+        for c in configs:
+            if la not in CONFIGS[c].layers:
+                continue
+            job = Job(la, c, shapes[la], args.batch, args.tokens, args.prefill, args.window, rates, args.seed)
+            try:  # the cache's own checks (shape rules, formats) before any work
+                make_cache(make_layer(la, job.shape, 1, rates), CONFIGS[c], args.window, args.seed)
+            except (ValueError, TypeError) as e:
+                ap.error(f"{la} configuration {c} at --{la}-shape {','.join(map(str, job.shape))}: {e}")
+            jobs.append(job)
+    if not jobs:
+        ap.error(f"no configuration of --configs applies to --layers {','.join(layers)} "
+                 "(the *-fold and *-rederive configurations are GDN only)")
+    args.layer_list, args.config_list, args.jobs_list = layers, configs, jobs
+    return args
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class _Progress:
+    def __init__(self, total: int, every: float):
+        self.total, self.every, self.t0, self.last = total, every, time.perf_counter(), time.perf_counter()
+
+    def due(self) -> float:
+        """Seconds until the next progress line is due."""
+        return max(0.05, self.every - (time.perf_counter() - self.last))
+
+    def line(self, done: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        el = now - self.t0
+        eta = f", ETA {_duration(el * (self.total - done) / done)}" if 0 < done < self.total else ""
+        print(f"{PROG}: {done / self.total:6.1%} of {self.total} config-steps, {_duration(el)} elapsed{eta}",
+              flush=True)
+
+
+_COUNTER = None
+
+
+def _init_worker(counter) -> None:
+    global _COUNTER
+    _COUNTER = counter
+    torch.set_num_threads(1)
+
+
+def _tick(n: int) -> None:
+    with _COUNTER.get_lock():
+        _COUNTER.value += n
+
+
+def _worker(job: Job) -> dict:
+    return run_job(job, _tick)
+
+
+def run_all(jobs: List[Job], workers: int, progress: _Progress, on_result) -> None:
+    """Run every job (in this process with one worker, else in a spawn pool), calling
+    ``on_result(job, result)`` as each finishes."""
+    if workers == 1:
+        done = [0]
+
+        def tick(n):
+            done[0] += n
+            progress.line(done[0])
+
+        for job in jobs:
+            on_result(job, run_job(job, tick))
+        return
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(counter,)) as pool:
+        pending = {pool.submit(_worker, job): job for job in jobs}
+        while pending:
+            finished, _ = wait(pending, timeout=progress.due(), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                job = pending.pop(fut)
+                on_result(job, fut.result())
+            progress.line(counter.value)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.list:
+        for c in CONFIGS.values():
+            only = "" if c.layers == LAYERS else "  [GDN only]"
+            print(f"{c.name:22s} {c.about}{only}")
+        return 0
+    jobs = args.jobs_list
+    workers = min(args.jobs or os.cpu_count() or 1, len(jobs))
+    print(f"{PROG}: {len(jobs)} runs ({', '.join(args.layer_list)}), {args.tokens} tokens each after a "
+          f"{args.prefill}-token float64 prefill, batch {args.batch}, L = {args.window}, seed {args.seed}, "
+          f"{workers} worker(s); Mamba-2 H,P,N,G = {args.mamba2_shape}, GDN HV,V,K,H = {args.gdn_shape}; "
+          f"decay rates {args.rates[0]:g}..{args.rates[1]:g}", flush=True)
+    order = {(j.layer, j.config): i for i, j in enumerate(jobs)}
+    results: Dict[tuple, List[dict]] = {}
+
+    def on_result(job: Job, result: dict) -> None:
+        results[(job.layer, job.config)] = summarize(result, job.tokens)
+        rows = [r for key in sorted(results, key=order.get) for r in results[key]]
+        write_csv(rows, args.out)  # partial results survive an interrupted long run
+        last = results[(job.layer, job.config)][-1]
+        print(f"  {job.layer:6s} {job.config:22s} rel_err_output at N={last['N']}: {last['rel_err_output']:.3e}",
+              flush=True)
+
+    progress = _Progress(len(jobs) * args.tokens, args.progress_every)
+    run_all(jobs, workers, progress, on_result)
+    rows = [r for key in sorted(results, key=order.get) for r in results[key]]
+    write_csv(rows, args.out)
+    progress.line(len(jobs) * args.tokens, force=True)
+    print(f"wrote {args.out}")
+    at = [N for N in (64, 1024, args.tokens) if N in points(args.tokens)] or points(args.tokens)[-1:]
+    print(f"\nrel_err_output (window mean) at N = {', '.join(map(str, dict.fromkeys(at)))}:")
+    print(summary_table(read_csv(args.out), list(dict.fromkeys(at))))
+    if args.plot is not None:
+        plot(read_csv(args.out), args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
