@@ -20,6 +20,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 
 SMEM_PER_CTA = 227 * 1024  # opt-in maximum per CTA on sm_90 / sm_100 / sm_103
+MMA_ROWS = 16  # state rows per warp in the verify kernels: the M of an m16n8k8 MMA
 SMEM_PER_SM = 228 * 1024
 
 
@@ -34,6 +35,53 @@ def smem_fit(smem_bytes: int, min_ctas_per_sm: int):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def round_up(n: int, m: int) -> int:
+    return cdiv(n, m) * m
+
+
+class DraftStepKernel:
+    """Host side shared by the kernels of a T-draft step (verify, snapshot baseline): the static
+    shape, launch config and draft count, refused at construction with the class's ``check``."""
+
+    def __init__(self, shape, config, num_drafts: int):
+        reason = self.check(shape, config, num_drafts)
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__}({config}, T={num_drafts}) invalid for {shape}: {reason}")
+        self.shape, self.config, self.num_drafts = shape, config, num_drafts
+
+
+def verify_check(shape, config, num_drafts: int, smem_bytes: int):
+    """None if a verify kernel takes (shape, config, T), else why not (both layer types)."""
+    reason = config.check_tiles(shape)
+    if reason is not None:
+        return reason
+    if config.rows_per_warp != MMA_ROWS:
+        return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
+    if shape.window < 2:
+        return "verification needs a ring (window >= 2)"
+    if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
+        return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
+                f"{shape.capacity - shape.window}, window {shape.window})")
+    if shape.window + num_drafts > 32:
+        return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
+    return smem_fit(smem_bytes, config.min_ctas_per_sm)
+
+
+def snapshot_check(shape, config, num_drafts: int, smem_bytes: int):
+    """None if a snapshot-baseline kernel takes (shape, config, T), else why not."""
+    if shape.window != 1:
+        return "the snapshot baseline runs on a conventional cache (window 1)"
+    reason = config.check(shape)
+    if reason is not None:
+        return reason
+    rw = config.rows_per_warp
+    if rw > 8 or rw & (rw - 1):
+        return f"rows per warp {rw}: a power of two up to 8 (a warp keeps its rows in registers)"
+    if not 1 <= num_drafts <= 16:
+        return f"num_drafts {num_drafts}: 1..16"
+    return smem_fit(smem_bytes, config.min_ctas_per_sm)
 
 
 def pow2_at_least(n: int) -> int:

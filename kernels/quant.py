@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..quant import E2M1, E4M3, F16, Minifloat  # noqa: F401 (the formats the kernels take)
+from ..quant import E2M1, E4M3, F16, Minifloat  # noqa: F401 (re-exported: the formats the kernels take)
 from .common import f32_asm
 
 

@@ -37,19 +37,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import cdiv, make_row_tma, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
+from ..common import DraftStepKernel, cdiv, make_row_tma, slot_is_live, snapshot_check, start_tile_loads, warp_reduce_many
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
 
-class GDNSnapshot:
+class GDNSnapshot(DraftStepKernel):
     """One conventional speculative step of T drafts of a GDN layer (module docstring)."""
-
-    def __init__(self, shape: GDNShape, config: GDNConfig, num_drafts: int):
-        reason = self.check(shape, config, num_drafts)
-        if reason is not None:
-            raise ValueError(f"GDNSnapshot({config}, T={num_drafts}) invalid for {shape}: {reason}")
-        self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
     def smem_bytes(shape: GDNShape, config: GDNConfig, num_drafts: int) -> int:
@@ -58,17 +52,8 @@ class GDNSnapshot:
         return config.rows_per_cta * K * 4 + 2 * T * K * 4 + T * 4 + 8 * config.num_warps + 512
 
     @staticmethod
-    def check(shape: GDNShape, config: GDNConfig, num_drafts: int) -> Optional[str]:
-        if shape.window != 1:
-            return "the snapshot baseline runs on a conventional cache (window 1)"
-        reason = config.check(shape)
-        if reason is not None:
-            return reason
-        if config.rows_per_warp > 8:
-            return f"rows per warp {config.rows_per_warp}: at most 8 (a warp keeps its rows in registers)"
-        if not 1 <= num_drafts <= 16:
-            return f"num_drafts {num_drafts}: 1..16"
-        return smem_fit(GDNSnapshot.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
+    def check(shape, config, num_drafts: int) -> Optional[str]:
+        return snapshot_check(shape, config, num_drafts, GDNSnapshot.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
     def __call__(self, mCheckpoint: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,

@@ -44,21 +44,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (TILE_PAD, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment, make_padded_row_tma, mma_tf32,
-                      padded_tile_layout, rows_times_columns, slot_is_live, smem_fit, start_tile_loads)
-from ..mamba2.verify import MMA_ROWS, round_up
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment,
+                      make_padded_row_tma, mma_tf32, padded_tile_layout, round_up, rows_times_columns, slot_is_live,
+                      start_tile_loads, verify_check)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
 
-class GDNVerify:
+class GDNVerify(DraftStepKernel):
     """One verify step of T drafts of a GDN layer over a pool of slots (module docstring)."""
-
-    def __init__(self, shape: GDNShape, config: GDNConfig, num_drafts: int):
-        reason = self.check(shape, config, num_drafts)
-        if reason is not None:
-            raise ValueError(f"GDNVerify({config}, T={num_drafts}) invalid for {shape}: {reason}")
-        self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
     def dims(shape: GDNShape, num_drafts: int):
@@ -74,20 +68,8 @@ class GDNVerify:
                 + 8 * config.num_warps + 1024)
 
     @staticmethod
-    def check(shape: GDNShape, config: GDNConfig, num_drafts: int) -> Optional[str]:
-        reason = config.check_tiles(shape)
-        if reason is not None:
-            return reason
-        if config.rows_per_warp != MMA_ROWS:
-            return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
-        if shape.window < 2:
-            return "verification needs a ring (window >= 2)"
-        if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
-            return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
-                    f"{shape.capacity - shape.window}, window {shape.window})")
-        if shape.window + num_drafts > 32:
-            return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
-        return smem_fit(GDNVerify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
+    def check(shape, config, num_drafts: int) -> Optional[str]:
+        return verify_check(shape, config, num_drafts, GDNVerify.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
     def __call__(

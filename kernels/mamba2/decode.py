@@ -110,7 +110,16 @@ class Mamba2Config:
         return config_space(cls, headdim)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
-        """None if valid for `shape`, else the reason."""
+        """None if valid for the decode kernel on `shape`, else the reason."""
+        reason = self.check_tiles(shape)
+        if reason is not None:
+            return reason
+        if self.rows_per_warp > 32:
+            return "more than 32 rows per warp (a lane per row in the fold)"
+        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
+
+    def check_tiles(self, shape: Mamba2Shape) -> Optional[str]:
+        """The checks every Mamba-2 kernel shares: dims, tiling and ring capacity."""
         P, N = shape.headdim, shape.dstate
         if N % 32 or N > 256:
             return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
@@ -118,11 +127,9 @@ class Mamba2Config:
             return f"rows_per_cta {self.rows_per_cta} does not divide headdim {P}"
         if self.rows_per_cta % self.num_warps:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
-        if self.rows_per_warp > 32:
-            return "more than 32 rows per warp (a lane per row in the fold)"
         if shape.capacity > 32:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
+        return None
 
 
 class Mamba2Decode:

@@ -31,36 +31,20 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import make_row_tma, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many
+from ..common import DraftStepKernel, make_row_tma, slot_is_live, snapshot_check, softplus, start_tile_loads, warp_reduce_many
 from .decode import Mamba2Config, Mamba2Shape
 
 
-class Mamba2Snapshot:
+class Mamba2Snapshot(DraftStepKernel):
     """One conventional speculative step of T drafts (module docstring)."""
-
-    def __init__(self, shape: Mamba2Shape, config: Mamba2Config, num_drafts: int):
-        reason = self.check(shape, config, num_drafts)
-        if reason is not None:
-            raise ValueError(f"Mamba2Snapshot({config}, T={num_drafts}) invalid for {shape}: {reason}")
-        self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
     def smem_bytes(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int) -> int:
         return config.rows_per_cta * shape.dstate * 4 + 2 * num_drafts * shape.dstate * 4 + 8 * config.num_warps + 512
 
     @staticmethod
-    def check(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int) -> Optional[str]:
-        if shape.window != 1:
-            return "the snapshot baseline runs on a conventional cache (window 1)"
-        reason = config.check(shape)
-        if reason is not None:
-            return reason
-        rw = config.rows_per_warp
-        if rw > 8 or rw & (rw - 1):
-            return f"rows per warp {rw}: a power of two up to 8 (a warp keeps its rows in registers)"
-        if not 1 <= num_drafts <= 16:
-            return f"num_drafts {num_drafts}: 1..16"
-        return smem_fit(Mamba2Snapshot.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
+    def check(shape, config, num_drafts: int) -> Optional[str]:
+        return snapshot_check(shape, config, num_drafts, Mamba2Snapshot.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
     def __call__(self, mCheckpoint: cute.Tensor, mX: cute.Tensor, mDt: cute.Tensor, mA: cute.Tensor,

@@ -50,25 +50,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (cdiv, fold_cols, fold_into_checkpoint, load_b_fragment, make_padded_row_tma, mma_tf32, rows_times_columns, slot_is_live,
-                      smem_fit, softplus, start_tile_loads, TILE_PAD, padded_tile_layout)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment,
+                      make_padded_row_tma, mma_tf32, padded_tile_layout, round_up, rows_times_columns, slot_is_live,
+                      softplus, start_tile_loads, verify_check)
 from .decode import Mamba2Config, Mamba2Shape
 
-MMA_ROWS = 16  # state rows per warp: the M of an m16n8k8 MMA
-
-
-def round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
-
-
-class Mamba2Verify:
+class Mamba2Verify(DraftStepKernel):
     """One verify step of T drafts of a Mamba-2 layer over a pool of slots (module docstring)."""
-
-    def __init__(self, shape: Mamba2Shape, config: Mamba2Config, num_drafts: int):
-        reason = self.check(shape, config, num_drafts)
-        if reason is not None:
-            raise ValueError(f"Mamba2Verify({config}, T={num_drafts}) invalid for {shape}: {reason}")
-        self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
     @staticmethod
     def dims(shape: Mamba2Shape, num_drafts: int):
@@ -83,20 +71,8 @@ class Mamba2Verify:
                 + TP * (NQP + 4) * 4 + 8 * config.num_warps + 2048)
 
     @staticmethod
-    def check(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int) -> Optional[str]:
-        reason = config.check(shape)
-        if reason is not None:
-            return reason
-        if config.rows_per_warp != MMA_ROWS:
-            return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
-        if shape.window < 2:
-            return "verification needs a ring (window >= 2)"
-        if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
-            return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
-                    f"{shape.capacity - shape.window}, window {shape.window})")
-        if shape.window + num_drafts > 32:
-            return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
-        return smem_fit(Mamba2Verify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
+    def check(shape, config, num_drafts: int) -> Optional[str]:
+        return verify_check(shape, config, num_drafts, Mamba2Verify.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
     def __call__(
