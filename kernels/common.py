@@ -37,6 +37,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def launch_tiles(kernel_call, grid, config, smem_bytes: int, stream):
+    """Launch a tile kernel: ``config.num_warps`` warps a CTA, its register cap
+    (``min_ctas_per_sm``), and all of the SM's unified memory as shared memory, where the
+    checkpoint tiles in flight live."""
+    kernel_call.launch(
+        grid=grid,
+        block=[32 * config.num_warps, 1, 1],
+        smem=smem_bytes,
+        stream=stream,
+        min_blocks_per_mp=config.min_ctas_per_sm,
+        preferred_smem_carveout=100,
+    )
+
+
 def round_up(n: int, m: int) -> int:
     return cdiv(n, m) * m
 

@@ -49,7 +49,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads, warp_reduce_many
+from ..common import (launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads,
+                      warp_reduce_many)
 from ..config_space import config_space
 from .common import gdn_gates, normalize_qk
 
@@ -196,17 +197,10 @@ class GDNDecode:
             cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
         )
         tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
-        self.kernel(
+        launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals,
-        ).launch(
-            grid=[V // c.rows_per_cta, HV, mV.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,  # the checkpoint tiles in flight live in shared memory
-        )
+        ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
     def kernel(

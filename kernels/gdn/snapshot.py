@@ -37,7 +37,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import DraftStepKernel, cdiv, make_row_tma, slot_is_live, snapshot_check, start_tile_loads, warp_reduce_many
+from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, snapshot_check,
+                      start_tile_loads, warp_reduce_many)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
@@ -64,15 +65,9 @@ class GDNSnapshot(DraftStepKernel):
         mRows = cute.make_tensor(
             mCheckpoint.iterator, cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)))
         tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
-        self.kernel(tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-                    mSnapshots).launch(
-            grid=[V // c.rows_per_cta, HV, mV.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(s, c, self.num_drafts),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        launch_tiles(self.kernel(tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
+                                 mSnapshots),
+                     [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
     def kernel(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor,

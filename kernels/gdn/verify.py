@@ -44,9 +44,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment,
-                      make_padded_row_tma, mma_tf32, padded_tile_layout, round_up, rows_times_columns, slot_is_live,
-                      start_tile_loads, verify_check)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
+                      load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
+                      rows_times_columns, slot_is_live, start_tile_loads, verify_check)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
@@ -100,17 +100,10 @@ class GDNVerify(DraftStepKernel):
             cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
         )
         tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, K)
-        self.kernel(
+        launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin,
-        ).launch(
-            grid=[V // c.rows_per_cta, HV, mV.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(s, c, self.num_drafts),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
     def kernel(

@@ -45,8 +45,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads, warp_reduce_many,
-                      warp_sum)
+from ..common import (launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads,
+                      warp_reduce_many, warp_sum)
 from ..config_space import config_space
 
 
@@ -175,17 +175,10 @@ class Mamba2Decode:
             cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
         )
         tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
-        self.kernel(
+        launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
             mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals,
-        ).launch(
-            grid=[P // c.rows_per_cta, H, mX.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,  # the checkpoint tiles in flight live in shared memory
-        )
+        ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
     def kernel(

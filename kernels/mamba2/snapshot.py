@@ -31,7 +31,8 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import DraftStepKernel, make_row_tma, slot_is_live, snapshot_check, softplus, start_tile_loads, warp_reduce_many
+from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, snapshot_check, softplus,
+                      start_tile_loads, warp_reduce_many)
 from .decode import Mamba2Config, Mamba2Shape
 
 
@@ -56,15 +57,9 @@ class Mamba2Snapshot(DraftStepKernel):
         mRows = cute.make_tensor(
             mCheckpoint.iterator, cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)))
         tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
-        self.kernel(tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-                    mSnapshots).launch(
-            grid=[P // c.rows_per_cta, H, mX.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(s, c, self.num_drafts),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        launch_tiles(self.kernel(tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
+                                 mSnapshots),
+                     [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
     def kernel(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor,

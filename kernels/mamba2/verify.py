@@ -50,9 +50,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, load_b_fragment,
-                      make_padded_row_tma, mma_tf32, padded_tile_layout, round_up, rows_times_columns, slot_is_live,
-                      softplus, start_tile_loads, verify_check)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
+                      load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
+                      rows_times_columns, slot_is_live, softplus, start_tile_loads, verify_check)
 from .decode import Mamba2Config, Mamba2Shape
 
 class Mamba2Verify(DraftStepKernel):
@@ -102,17 +102,10 @@ class Mamba2Verify(DraftStepKernel):
             cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
         )
         tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, N)
-        self.kernel(
+        launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
             mRingX, mRingB, mRingDt, mCursor, mOrigin,
-        ).launch(
-            grid=[P // c.rows_per_cta, H, mX.shape[0]],
-            block=[32 * c.num_warps, 1, 1],
-            smem=self.smem_bytes(s, c, self.num_drafts),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
     def kernel(
