@@ -230,11 +230,17 @@ def make_padded_row_tma(m_rows: cute.Tensor, box_rows: int, cols: int):
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m_rows, smem_layout, (box_rows, width))
 
 
+def ptx_op(result_type, operands, asm: str, constraints: str, loc, ip):
+    """One side-effect-free PTX instruction on ``operands`` (DSL numerics, ``$1``, ``$2``, ...)
+    with one result (``$0``)."""
+    return result_type(llvm.inline_asm(
+        result_type.mlir_type, [v.ir_value(loc=loc, ip=ip) for v in operands], asm, constraints,
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 def f32_asm(result_type, x: Float32, asm: str, constraints: str, loc, ip):
     """One side-effect-free PTX instruction on fp32 ``x`` (``$1``) with one result (``$0``)."""
-    return result_type(llvm.inline_asm(
-        result_type.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], asm, constraints,
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return ptx_op(result_type, [Float32(x)], asm, constraints, loc, ip)
 
 
 @dsl_user_op

@@ -42,12 +42,14 @@ from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ..common import (launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus, start_tile_loads,
-                      warp_reduce_many, warp_sum)
+from ..common import (issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus,
+                      start_tile_loads, warp_reduce_many, warp_sum)
 from ..config_space import config_space
+from ..state_io import (StateCopies, decode_slice, encode_store, load_scale, smem_scale, sr_write_key, stage_scales,
+                        tile_state_scale)
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,17 @@ class Mamba2Shape:
     has_dt_bias: bool = True
     dt_softplus: bool = True
     pad_slot_id: int = -1
+    checkpoint_format: str = "fp32"  # the recurrence checkpoint; low precision is written with SR
+    read_copy: Optional[str] = None  # the read copy of non-flush steps (RTN), None: the checkpoint
 
     def key(self):
         return (self.nheads, self.headdim, self.dstate, self.ngroups, self.window, self.capacity,
                 self.act_dtype.__name__, self.dt_dtype.__name__, self.has_D, self.has_z,
-                self.has_dt_bias, self.dt_softplus, self.pad_slot_id)
+                self.has_dt_bias, self.dt_softplus, self.pad_slot_id, self.checkpoint_format, self.read_copy)
+
+    @property
+    def copies(self) -> StateCopies:
+        return StateCopies(self.checkpoint_format, self.read_copy, self.dstate, self.window)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class Mamba2Config:
     def smem_bytes(self, shape: Mamba2Shape) -> int:
         """The state tile, B at every ring position and its weights, mbarriers, alignment slack."""
         N, cap = shape.dstate, shape.capacity
-        return (self.rows_per_cta * N + cap) * 4 + cap * N * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+        return ((self.rows_per_cta * N + cap) * 4 + cap * N * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+                + shape.copies.smem_bytes(self.rows_per_cta, self.num_warps))
 
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
@@ -116,6 +125,9 @@ class Mamba2Config:
             return reason
         if self.rows_per_warp > 32:
             return "more than 32 rows per warp (a lane per row in the fold)"
+        reason = shape.copies.check(shape.dstate // 32, self.rows_per_cta, shape.headdim)
+        if reason is not None:
+            return reason
         return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
     def check_tiles(self, shape: Mamba2Shape) -> Optional[str]:
@@ -165,26 +177,42 @@ class Mamba2Decode:
         mCursor: Optional[cute.Tensor],
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
-        H, P, N = s.nheads, s.headdim, s.dstate
-        # The checkpoint as (slots * H * P, N) rows so a TMA box is one warp's state rows.
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator,
-            cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
-        )
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
+        H, P = s.nheads, s.headdim
+        copies = s.copies
+        # A copy as (slots * H * P, cols) rows so a TMA box is one warp's state rows: every step
+        # loads the read copy (else the checkpoint) at entry; a flush the checkpoint apart.
+        entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
+        tma_entry, mEntryTma = make_row_tma(cute.make_tensor(entry.iterator, cute.make_layout(
+            (entry.shape[0] * (H * P), copies.entry.cols), stride=(copies.entry.cols, 1))), c.rows_per_warp,
+            copies.entry.cols)
+        tma_ckpt, mCkptTma = None, None
+        if cutlass.const_expr(copies.separate):
+            cols = copies.checkpoint.cols
+            tma_ckpt, mCkptTma = make_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
+                (mCheckpoint.shape[0] * (H * P), cols), stride=(cols, 1))), c.rows_per_warp, cols)
         launch_tiles(self.kernel(
-            tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-            mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals,
+            tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
+            mOut, mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals, mCheckpointScale, mCheckpointStateScale,
+            mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
     def kernel(
         self,
-        tma_atom: cute.CopyAtom,
-        mRowsTma: cute.Tensor,
+        tma_entry: cute.CopyAtom,
+        mEntryTma: cute.Tensor,
+        tma_ckpt: Optional[cute.CopyAtom],
+        mCkptTma: Optional[cute.Tensor],
         mCheckpoint: cute.Tensor,
         mX: cute.Tensor,
         mDt: cute.Tensor,
@@ -202,6 +230,13 @@ class Mamba2Decode:
         mCursor: Optional[cute.Tensor],
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
     ):
         # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each). Lane j
         # owns record j's scalars (dt_j, its decay weight w_j, w_j (B_j . C)); lane r owns row
@@ -216,6 +251,9 @@ class Mamba2Decode:
         vec = N // 32
         heads_per_group = H // G
         act = s.act_dtype
+        copies = s.copies
+        ckpt_fmt, entry_fmt = copies.checkpoint, copies.entry
+        counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
@@ -238,8 +276,45 @@ class Mamba2Decode:
             # Per ring position p: w_j (B_p . C) of its record, and B_p staged for the fold.
             sBC = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)
             sB = smem.allocate_tensor(act, cute.make_layout((cap, N), stride=(N, 1)), byte_alignment=16)
+            # Low-precision copies land in their own tiles (storage dtype) and are decoded per
+            # row; an fp32 checkpoint lands in the work tile itself.
+            sEntry = sState
+            if cutlass.const_expr(entry_fmt.low_precision):
+                sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
+                    (RW, entry_fmt.cols, W), stride=(entry_fmt.cols, 1, RW * entry_fmt.cols)), byte_alignment=128)
+            sCkpt = sEntry  # where a flush finds the checkpoint
+            mbarCkpt = mbar
+            if cutlass.const_expr(copies.separate):
+                mbarCkpt = smem.allocate_array(Int64, W, byte_alignment=8)
+                sCkpt = sState
+                if cutlass.const_expr(ckpt_fmt.low_precision):
+                    sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
+                        (RW, ckpt_fmt.cols, W), stride=(ckpt_fmt.cols, 1, RW * ckpt_fmt.cols)), byte_alignment=128)
+                if tidx == 0:
+                    for st in cutlass.range_constexpr(W):
+                        cute.arch.mbarrier_init(mbarCkpt + st, 1)
+            sAmax = None
+            if cutlass.const_expr(copies.whole_state):
+                sAmax = smem.allocate_tensor(Float32, cute.make_layout(W), byte_alignment=16)
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * N * 4)
+            start_tile_loads(tma_entry, mEntryTma, sEntry, mbar, first_box, W, RW * entry_fmt.row_bytes)
+            # The entry rows' scales (fp8 / nvfp4), staged per warp at entry.
+            sEntryScale = None
+            entry_state_scale = Float32(1.0)
+            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+                sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
+                    (RW, entry_fmt.scales_per_row, W), stride=(entry_fmt.scales_per_row, 1, RW * entry_fmt.scales_per_row)),
+                    byte_alignment=16)
+                mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
+                stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, head, p_warp)
+                if cutlass.const_expr(entry_fmt.has_state_scale):
+                    mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
+                    entry_state_scale = mEntryState[slot64, head]
+            sr_key = Uint32(0)
+            sr_count = Int32(0)
+            if cutlass.const_expr(copies.stochastic):
+                sr_count = mSrCounter[slot]
+                sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is
@@ -254,6 +329,10 @@ class Mamba2Decode:
                 dt_phys = mRingDt[slot64, lane % cap, head]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
+            if cutlass.const_expr(copies.separate):
+                if flush:  # the entry tile holds the read copy; the recurrence needs the checkpoint
+                    if warp == 0:
+                        issue_tile_loads(tma_ckpt, mCkptTma, sCkpt, mbarCkpt, first_box, W, RW * ckpt_fmt.row_bytes)
 
             # Lane r < RW owns state row p_warp + r for the per-row terms (loads coalesce).
             lr = lane % RW
@@ -341,6 +420,11 @@ class Mamba2Decode:
             if cutlass.const_expr(s.has_D):
                 D = mD[head].to(Float32)
             cute.arch.mbarrier_wait(mbar + warp, 0)
+            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+                cute.arch.sync_warp()  # the staged scales
+            if cutlass.const_expr(copies.separate):
+                if flush:
+                    cute.arch.mbarrier_wait(mbarCkpt + warp, 0)
             if flush:
                 # Fold in place in shared memory, JC items per pass (their B in registers):
                 # S = gamma S + sum_j (w_j x_j[p]) B_j over this token (item 0) and the ring
@@ -370,7 +454,19 @@ class Mamba2Decode:
                     for r in cutlass.range(RW, unroll=2):
                         tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(tS, rS)
+                        if cutlass.const_expr(jc == 0 and ckpt_fmt.low_precision):
+                            # The recurrence starts from the checkpoint decoded to fp32.
+                            scale = Float32(1.0)
+                            if cutlass.const_expr(copies.separate):
+                                scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64,
+                                                   head, p_warp + r, lane * vec)
+                            else:
+                                scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec,
+                                                   entry_state_scale)
+                            decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),),
+                                                                   (lane,)), scale, rS)
+                        else:
+                            cute.autovec_copy(tS, rS)
                         if cutlass.const_expr(jc == 0):
                             for v in cutlass.range_constexpr(vec):
                                 rS[v] = gamma * rS[v]
@@ -380,14 +476,42 @@ class Mamba2Decode:
                                 rS[v] = rS[v] + coef * rBc[jj, v]
                         cute.autovec_copy(rS, tS)
                 cute.arch.sync_warp()
-            # Output: flush rows read the folded state; others gamma (S_ckpt . C) + sum_j coef_j x_j.
+            state_scale = Float32(1.0)  # nvfp4's G of the folded state
+            if cutlass.const_expr(copies.whole_state):
+                if flush:
+                    state_scale = tile_state_scale(sState, vec, True, sAmax)
+                    if tidx == 0:
+                        if cutlass.const_expr(ckpt_fmt.has_state_scale):
+                            mCheckpointStateScale[slot64, head] = state_scale
+                        if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
+                            mReadStateScale[slot64, head] = state_scale
+            # Output: flush rows read the folded state (and write it into every copy); others
+            # gamma (S_ckpt . C) + sum_j coef_j x_j from the entry tile.
             gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
             y_row = Float32(0.0)  # lane r: S[p_r] . C
             for r in cutlass.range(RW, unroll=2):
                 rS = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                if cutlass.const_expr(entry_fmt.low_precision):
+                    if flush:
+                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                    else:
+                        scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
+                        decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
+                                                                (lane,)), scale, rS)
+                else:
+                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                 if flush:
-                    cute.autovec_copy(rS, cute.local_tile(mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
+                    # One fp32 row, cast independently into each copy: SR into a low-precision
+                    # checkpoint, RTN into the read copy.
+                    row_p = p_warp + r
+                    first = (head * P + row_p) * N + lane * vec
+                    encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
+                        mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
+                        mCheckpointScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
+                    if cutlass.const_expr(copies.separate):
+                        encode_store(copies.read, False, rS, cute.local_tile(
+                            mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
+                            mReadScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
                 part = Float32(0.0)
                 for v in cutlass.range_constexpr(vec):
                     part = part + rS[v] * rC[v]
@@ -404,17 +528,22 @@ class Mamba2Decode:
                     if not flush:
                         mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
 
-            if cutlass.const_expr(L > 1):
-                # The last CTA of this row to finish advances the cursor: all its warps have used
-                # h by the barrier; one arrival per CTA keeps the counter's traffic low.
+            if cutlass.const_expr(counted):
+                # The last CTA of this row to finish advances the cursor (and the SR write
+                # counter): all its warps have used h by the barrier; one arrival per CTA keeps the
+                # counter's traffic low.
                 cute.arch.sync_threads()
                 if tidx == 0:
                     done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
                     if done == H * (P // R) - 1:
-                        next_h = h + 1
-                        if flush:
-                            next_h = Int32(0)
-                        mCursor[slot] = next_h
+                        if cutlass.const_expr(L > 1):
+                            next_h = h + 1
+                            if flush:
+                                next_h = Int32(0)
+                            mCursor[slot] = next_h
+                        if cutlass.const_expr(copies.stochastic):
+                            if flush:
+                                mSrCounter[slot] = sr_count + 1
                         mArrivals[slot] = Int32(0)
 
 
@@ -445,8 +574,21 @@ def _fake_inputs(shape: Mamba2Shape):
                                 (cute.sym_int64(divisibility=div),) + tuple(strides), assumed_align=align)
 
     replay = shape.window > 1
+    copies = shape.copies
+
+    def copy_tensors(fmt):
+        """Data, scale, state scale of a copy in ``fmt`` (None where the format has none)."""
+        if fmt is None:
+            return None, None, None
+        return (compact(fmt.storage, (slots, H, P, fmt.cols)),
+                compact(fmt.scale_dtype, (slots, H, P, fmt.scales_per_row), align=4) if fmt.scale_dtype else None,
+                compact(Float32, (slots, H), align=4) if fmt.has_state_scale else None)
+
+    ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
+    read, read_scale, read_state_scale = copy_tensors(copies.read)
+    counted = replay or copies.stochastic
     return dict(
-        mCheckpoint=compact(Float32, (slots, H, P, N)),
+        mCheckpoint=ckpt,
         mX=rows(act, (H, P)),
         mDt=rows(shape.dt_dtype, (H,), align=None),
         mA=compact(Float32, (H,), align=4),
@@ -462,7 +604,14 @@ def _fake_inputs(shape: Mamba2Shape):
         mRingDt=compact(Float32, (slots, cap, H)) if replay else None,
         mCursor=compact(Int32, (slots,), align=4) if replay else None,
         mOrigin=compact(Int32, (slots,), align=4) if replay else None,
-        mArrivals=compact(Int32, (slots,), align=4) if replay else None,
+        mArrivals=compact(Int32, (slots,), align=4) if counted else None,
+        mCheckpointScale=ckpt_scale,
+        mCheckpointStateScale=ckpt_state_scale,
+        mRead=read,
+        mReadScale=read_scale,
+        mReadStateScale=read_state_scale,
+        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
+        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
     )
 
 

@@ -1,0 +1,423 @@
+"""Device side of the state copies: a lane's slice of a state row read from any format, and an
+fp32 state row written into any format, bit for bit as ``replayssm_cute.quant`` (RTN into a read
+copy, SR with the cache's counter-based bits into a low-precision recurrence checkpoint).
+
+Both layer types hold a state as rows along its innermost dim K (Mamba-2: (P, N) per head, GDN:
+(V, K) per value head); a warp owns whole rows and its lanes split a row's K elements into
+``vec`` consecutive ones each. A copy is described by a static ``CopyFormat``; its tensors come
+as torch passes them (replayssm_cute.cache's layout), low-precision codes as integers:
+
+| format | data (slots, heads, rows, cols) | scale                              | state scale        |
+|--------|---------------------------------|------------------------------------|--------------------|
+| fp32   | fp32, cols = K                  | -                                  | -                  |
+| fp16   | fp16, cols = K                  | -                                  | -                  |
+| fp8    | uint8 E4M3 codes, cols = K      | fp32 (slots, heads, rows, K / bk)  | -                  |
+| nvfp4  | uint8, two E2M1 codes, cols = K/2| uint8 E4M3 codes (.., rows, K / 16)| fp32 (slots, heads)|
+
+Reading multiplies each decoded code by its scale (fp8: fl(code * scale); nvfp4: exact), so a
+low-precision checkpoint decodes to the reference's fp32 values. Writing needs the block amax
+(a shuffle reduction over the lanes of a block) and, for nvfp4, the amax of the whole state,
+which the caller reduces over its CTA (``nvfp4_state_scale``): a kernel writing nvfp4 holds a
+whole head's state in one CTA.
+
+Software everywhere: sm_90a has neither ``cvt.rs`` nor E2M1 conversions, and the software path
+is what the reference pins bit for bit on every target.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .common import f32_asm, ptx_op
+from .quant import E2M1, E4M3, F16, f32_bits, fmix32, round_to_code
+
+FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
+_E4M3_MAX = 448.0
+_E2M1_MAX = 6.0
+_SR_KEY_SALT = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class CopyFormat:
+    """One state copy's storage: its format name and the state's innermost dim K."""
+
+    name: str
+    K: int
+
+    def __post_init__(self):
+        if self.name not in FORMATS:
+            raise ValueError(f"format {self.name!r}: expected one of {FORMATS}")
+
+    @property
+    def low_precision(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def storage(self):
+        return {"fp32": Float32, "fp16": Float16}.get(self.name, Uint8)
+
+    @property
+    def cols(self) -> int:
+        """Storage elements per state row."""
+        return self.K // 2 if self.name == "nvfp4" else self.K
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * self.storage.width // 8
+
+    @property
+    def block_k(self) -> int:
+        """Elements along K that share a scale (K when there is none)."""
+        if self.name == "fp8":
+            return 128 if self.K % 128 == 0 else self.K
+        return 16 if self.name == "nvfp4" else self.K
+
+    @property
+    def scale_dtype(self):
+        return {"fp8": Float32, "nvfp4": Uint8}.get(self.name)
+
+    @property
+    def has_state_scale(self) -> bool:
+        return self.name == "nvfp4"
+
+    @property
+    def scales_per_row(self) -> int:
+        return self.K // self.block_k if self.scale_dtype is not None else 0
+
+    def scale_smem_bytes(self, rows: int) -> int:
+        """The staged scales of ``rows`` rows (``stage_scales``), alignment slack included."""
+        return rows * self.scales_per_row * self.scale_dtype.width // 8 + 16 if self.scale_dtype is not None else 0
+
+    def per_lane(self, vec: int) -> int:
+        """Storage elements holding a lane's ``vec`` consecutive values."""
+        return vec // 2 if self.name == "nvfp4" else vec
+
+    def check(self, vec: int) -> Optional[str]:
+        """None if lanes holding ``vec`` consecutive elements of a row can read and write this format."""
+        if self.name == "nvfp4" and (self.K % 32 or 16 % vec or vec % 2):
+            return f"nvfp4 needs K a multiple of 32 with 2, 4 or 8 elements per lane (K = {self.K})"
+        if self.row_bytes % 16:
+            return f"a {self.name} state row of {self.row_bytes} bytes: TMA rows need a multiple of 16"
+        return None
+
+
+@dataclass(frozen=True)
+class StateCopies:
+    """The state copies of one cache configuration as a kernel sees them: the recurrence
+    checkpoint (SR when low precision) and the optional read copy (RTN) of non-flush steps."""
+
+    checkpoint_format: str
+    read_copy: Optional[str]
+    K: int
+    window: int
+
+    @property
+    def checkpoint(self) -> CopyFormat:
+        return CopyFormat(self.checkpoint_format, self.K)
+
+    @property
+    def read(self) -> Optional[CopyFormat]:
+        return None if self.read_copy is None else CopyFormat(self.read_copy, self.K)
+
+    @property
+    def separate(self) -> bool:
+        """A read copy apart from the checkpoint: a flush loads the checkpoint after the cursor."""
+        return self.read_copy is not None
+
+    @property
+    def entry(self) -> CopyFormat:
+        """What every step loads at entry, before the cursor says whether it flushes."""
+        return self.read if self.separate else self.checkpoint
+
+    @property
+    def stochastic(self) -> bool:
+        return self.checkpoint.low_precision
+
+    @property
+    def whole_state(self) -> bool:
+        """nvfp4 is written with one scale per state: its writer holds a whole head."""
+        return "nvfp4" in (self.checkpoint_format, self.read_copy)
+
+    def smem_bytes(self, rows: int, warps: int) -> int:
+        """Shared memory beyond the fp32 work tile: low-precision tiles, mbarriers, amax slots."""
+        extra = 0
+        if self.entry.low_precision:
+            extra += rows * self.entry.row_bytes + 128 + self.entry.scale_smem_bytes(rows)
+        if self.separate:
+            extra += 8 * warps + (rows * self.checkpoint.row_bytes + 128 if self.checkpoint.low_precision else 0)
+        if self.whole_state:
+            extra += 4 * warps
+        return extra
+
+    def check(self, vec: int, rows_per_cta: int, rows_per_head: int) -> Optional[str]:
+        if self.read_copy is not None and self.window == 1:
+            return "a read copy needs a ring (window > 1)"
+        for fmt in (self.checkpoint, self.read):
+            reason = None if fmt is None else fmt.check(vec)
+            if reason is not None:
+                return reason
+        if self.whole_state and rows_per_cta != rows_per_head:
+            return f"nvfp4 copies are written by one CTA per head: rows_per_cta must be {rows_per_head}"
+        return None
+
+
+# ----------------------------------------------------------------------------- PTX steps
+
+
+@dsl_user_op
+def _f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return ptx_op(Float32, [Int32(bits)], "mov.b32 $0, $1;", "=f,r", loc, ip)
+
+
+@dsl_user_op
+def _max_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """max(a, b), NaN if either is (an amax must not drop a NaN)."""
+    return ptx_op(Float32, [Float32(a), Float32(b)], "max.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+
+
+@dsl_user_op
+def _div(a: Float32, b: Float32, rounding: cutlass.Constexpr[str], *, loc=None, ip=None) -> Float32:
+    """a / b correctly rounded in ``rounding`` ("rn" nearest, "rp" toward +inf)."""
+    return ptx_op(Float32, [Float32(a), Float32(b)], f"div.{rounding}.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+
+
+@dsl_user_op
+def _mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fl(a * b), never contracted into an FMA."""
+    return ptx_op(Float32, [Float32(a), Float32(b)], "mul.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+
+
+@dsl_user_op
+def _abs(x: Float32, *, loc=None, ip=None) -> Float32:
+    return f32_asm(Float32, x, "abs.f32 $0, $1;", "=f,f", loc, ip)
+
+
+@dsl_user_op
+def _rcp_toward_zero(d: Float32, *, loc=None, ip=None) -> Float32:
+    return f32_asm(Float32, d, "rcp.rz.f32 $0, $1;", "=f,f", loc, ip)
+
+
+@cute.jit
+def _reciprocal_or_zero(d: Float32) -> Float32:
+    """1 / d rounded toward zero, 0 where d == 0 (quant._reciprocal_toward_zero)."""
+    return cutlass.select_(d == Float32(0.0), Float32(0.0), _rcp_toward_zero(d))
+
+
+@cute.jit
+def _group_max(x: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """NaN-propagating max over aligned groups of ``lanes`` lanes (a power of two)."""
+    offset = lanes // 2
+    while cutlass.const_expr(offset >= 1):
+        x = _max_nan(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+        offset = offset // 2
+    return x
+
+
+@cute.jit
+def e4m3_value(code: Int32) -> Float32:
+    """The value of a finite E4M3 code (sign bit included), exactly."""
+    mag = Int32(code) & 0x7F
+    sign = (Int32(code) & 0x80) << 24
+    exponent = mag >> 3
+    normal = _f32_from_bits((((exponent + 120) << 23) | ((mag & 7) << 20)) | sign)
+    subnormal = _f32_from_bits(f32_bits(Float32(Int32(mag & 7)) * Float32(2.0 ** -9)) | sign)
+    return cutlass.select_(exponent == 0, subnormal, normal)
+
+
+@cute.jit
+def _e2m1_value(nibble: Int32) -> Float32:
+    """The value of an E2M1 code (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    mag = nibble & 7
+    normal = (mag << 22) + 0x3F000000  # exponent field (mag >> 1) + 126, mantissa bit mag & 1
+    bits = cutlass.select_(mag < 2, mag * 0x3F000000, normal)
+    return _f32_from_bits(bits | ((nibble & 8) << 28))
+
+
+# ----------------------------------------------------------------------------- stochastic-rounding bits
+
+
+@cute.jit
+def sr_write_key(seed: Uint32, slot: Int32, counter: Int32) -> Uint32:
+    """The per-write key of cache.py's SR bits, pre-mixed: r[e] = fmix32(e ^ key)."""
+    salt = Uint32(_SR_KEY_SALT)
+    key_slot = fmix32(Uint32(slot) ^ fmix32(seed ^ salt))
+    key_write = fmix32(Uint32(counter) ^ fmix32(key_slot ^ salt))
+    return fmix32(key_write ^ salt)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@cute.jit
+def load_scale(fmt: cutlass.Constexpr[CopyFormat], mScale, mStateScale, slot: Int64, head: Int32, row: Int32,
+               col: Int32) -> Float32:
+    """The factor of the element at column ``col`` of state row ``row``: 1, the fp8 block scale,
+    or the nvfp4 block scale times the state scale (exact)."""
+    scale = Float32(1.0)
+    if cutlass.const_expr(fmt.name == "fp8"):
+        scale = mScale[slot, head, row, col // fmt.block_k]
+    if cutlass.const_expr(fmt.name == "nvfp4"):
+        scale = e4m3_value(Int32(mScale[slot, head, row, col // fmt.block_k])) * mStateScale[slot, head]
+    return scale
+
+
+@cute.jit
+def stage_scales(fmt: cutlass.Constexpr[CopyFormat], mScale, sScale: cute.Tensor, warp: Int32, slot: Int64,
+                 head: Int32, first_row: Int32):
+    """Warp ``warp`` copies the scales of its rows [first_row, first_row + rows) into its stage of
+    ``sScale`` (rows, scales_per_row, warps): one coalesced read at entry instead of a dependent
+    one per row. The warp syncs before reading them (``smem_scale``)."""
+    rows, nb = cute.size(sScale, mode=[0]), fmt.scales_per_row
+    lane = cute.arch.lane_idx()
+    for i in cutlass.range_constexpr((rows * nb + 31) // 32):
+        idx = i * 32 + lane
+        if idx < rows * nb:
+            sScale[idx // nb, idx % nb, warp] = mScale[slot, head, first_row + idx // nb, idx % nb]
+
+
+@cute.jit
+def smem_scale(fmt: cutlass.Constexpr[CopyFormat], sScale, warp: Int32, row: Int32, col: Int32,
+               state_scale: Float32) -> Float32:
+    """The factor of the element at column ``col`` of warp ``warp``'s staged row ``row`` (as
+    ``load_scale``; ``sScale`` None for a format without scales)."""
+    scale = Float32(1.0)
+    if cutlass.const_expr(fmt.name == "fp8"):
+        scale = sScale[row, col // fmt.block_k, warp]
+    if cutlass.const_expr(fmt.name == "nvfp4"):
+        scale = e4m3_value(Int32(sScale[row, col // fmt.block_k, warp])) * state_scale
+    return scale
+
+
+@cute.jit
+def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Float32, out: cute.Tensor):
+    """``out`` (vec,) fp32 <- the lane's stored slice ``src`` (vec storage elements; vec / 2 bytes
+    for nvfp4) times ``scale``."""
+    vec = cute.size(out)
+    if cutlass.const_expr(fmt.name == "fp32"):
+        cute.autovec_copy(src, out)
+    elif cutlass.const_expr(fmt.name == "fp16"):
+        rH = cute.make_rmem_tensor((vec,), Float16)
+        cute.autovec_copy(src, rH)
+        out.store(rH.load().to(Float32))
+    elif cutlass.const_expr(fmt.name == "fp8"):
+        rB = cute.make_rmem_tensor((vec,), Uint8)
+        cute.autovec_copy(src, rB)
+        for v in cutlass.range_constexpr(vec):
+            out[v] = _mul_rn(e4m3_value(Int32(rB[v])), scale)
+    else:
+        rB = cute.make_rmem_tensor((vec // 2,), Uint8)
+        cute.autovec_copy(src, rB)
+        for v in cutlass.range_constexpr(vec // 2):
+            byte = Int32(rB[v])
+            out[2 * v] = _e2m1_value(byte & 0xF) * scale
+            out[2 * v + 1] = _e2m1_value(byte >> 4) * scale
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@cute.jit
+def nvfp4_state_scale(amax: Float32) -> Float32:
+    """G = 2^k, the smallest k >= -126 with amax <= 2688 2^k (k = 0 at amax == 0); NaN when the
+    state is not finite (quant.NVFP4)."""
+    bits = f32_bits(amax)
+    biased = bits >> 23  # amax >= 0
+    # frexp(amax) = (f, t): t = biased - 126 and f > 0.65625 iff the mantissa exceeds 0x280000.
+    k = biased - 138 + cutlass.select_((bits & 0x7FFFFF) > 0x280000, Int32(1), Int32(0))
+    k = cutlass.select_(biased == 0, Int32(-126), cutlass.max(k, -126))
+    k = cutlass.select_(bits == 0, Int32(0), k)
+    return cutlass.select_(biased == 255, Float32(float("nan")), _f32_from_bits((k + 127) << 23))
+
+
+@cute.jit
+def tile_state_scale(sState: cute.Tensor, vec: cutlass.Constexpr[int], lane_active, sAmax: cute.Tensor) -> Float32:
+    """nvfp4's G of the state whose rows the CTA holds in ``sState`` (rows, K, warps) fp32, a warp
+    per stage, lanes splitting K (``lane_active``: the lane holds a slice). Every thread calls it."""
+    rows, warps = cute.size(sState, mode=[0]), cute.size(sState, mode=[2])
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    amax = Float32(0.0)
+    if lane_active:
+        for r in cutlass.range(rows, unroll=2):
+            rS = cute.make_rmem_tensor((vec,), Float32)
+            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+            amax = _max_nan(amax, lane_amax(rS))
+    amax = _group_max(amax, 32)
+    if lane == 0:
+        sAmax[warp] = amax
+    cute.arch.sync_threads()
+    total = sAmax[0]
+    for w in cutlass.range_constexpr(1, warps):
+        total = _max_nan(total, sAmax[w])
+    return nvfp4_state_scale(total)
+
+
+@cute.jit
+def lane_amax(values: cute.Tensor) -> Float32:
+    """max |v| over the lane's values, NaN-propagating."""
+    amax = Float32(0.0)
+    for v in cutlass.range_constexpr(cute.size(values)):
+        amax = _max_nan(amax, _abs(values[v]))
+    return amax
+
+
+@cute.jit
+def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constexpr[bool], values: cute.Tensor,
+                 dst: cute.Tensor, mScale, slot: Int64, head: Int32, row: Int32, col: Int32,
+                 state_scale: Float32, key: Uint32, first_element: Int32):
+    """Write the lane's ``values`` (vec fp32, columns col .. col + vec - 1 of state row ``row``)
+    into ``dst`` (the lane's storage slice) in ``fmt``, RTN or SR; the first lane of each scale
+    block also writes the block's scale. Every lane of the warp calls it for the same row (block
+    amax by shuffles). ``state_scale``: nvfp4's G from ``nvfp4_state_scale``; ``key`` and
+    ``first_element`` (the flat index of the lane's first value): the SR bits
+    ``fmix32(e ^ key)``."""
+    vec = cute.size(values)
+    if cutlass.const_expr(fmt.name == "fp32"):
+        cute.autovec_copy(values, dst)
+    else:
+        factor = Float32(1.0)  # fp32 values are multiplied by this before rounding
+        block_lanes = fmt.block_k // vec
+        if cutlass.const_expr(fmt.name == "fp8"):
+            scale = _div(_group_max(lane_amax(values), block_lanes), Float32(_E4M3_MAX), "rp")
+            factor = _reciprocal_or_zero(scale)
+            if col % fmt.block_k == 0:
+                mScale[slot, head, row, col // fmt.block_k] = scale
+        if cutlass.const_expr(fmt.name == "nvfp4"):
+            finite = state_scale == state_scale
+            a = _div(_group_max(lane_amax(values), block_lanes), state_scale, "rn")
+            block = round_to_code(_div(a, Float32(_E2M1_MAX), "rn"), Uint32(0), E4M3, False)
+            block = block + cutlass.select_(e4m3_value(block) * Float32(_E2M1_MAX) < a, Int32(1), Int32(0))
+            block = cutlass.select_(finite, block, Int32(0))
+            factor = _reciprocal_or_zero(e4m3_value(block) * state_scale)
+            if col % fmt.block_k == 0:
+                mScale[slot, head, row, col // fmt.block_k] = Uint8(block)
+        codes = cute.make_rmem_tensor((vec,), Int32)
+        for v in cutlass.range_constexpr(vec):
+            bits = Uint32(0)
+            if cutlass.const_expr(stochastic):
+                bits = fmix32(Uint32(first_element + v) ^ key)
+            x = values[v]
+            if cutlass.const_expr(fmt.name != "fp16"):
+                x = _mul_rn(x, factor)
+            spec = {"fp16": F16, "fp8": E4M3, "nvfp4": E2M1}[fmt.name]
+            codes[v] = round_to_code(x, bits, spec, stochastic)
+        if cutlass.const_expr(fmt.name == "fp16"):
+            rH = cute.make_rmem_tensor((vec,), cutlass.Int16)
+            for v in cutlass.range_constexpr(vec):
+                rH[v] = cutlass.Int16(codes[v])
+            cute.autovec_copy(cute.recast_tensor(rH, Float16), dst)
+        elif cutlass.const_expr(fmt.name == "fp8"):
+            rB = cute.make_rmem_tensor((vec,), Uint8)
+            for v in cutlass.range_constexpr(vec):
+                rB[v] = Uint8(codes[v])
+            cute.autovec_copy(rB, dst)
+        else:
+            rB = cute.make_rmem_tensor((vec // 2,), Uint8)
+            for v in cutlass.range_constexpr(vec // 2):
+                pair = (codes[2 * v] & 0xF) | ((codes[2 * v + 1] & 0xF) << 4)
+                rB[v] = Uint8(cutlass.select_(state_scale == state_scale, pair, Int32(0)))
+            cute.autovec_copy(rB, dst)
