@@ -219,13 +219,14 @@ def _group_max(x: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
 
 @cute.jit
 def e4m3_value(code: Int32) -> Float32:
-    """The value of a finite E4M3 code (sign bit included), exactly."""
+    """The value of an E4M3 code (sign bit included), exactly; NaN for 0x7F / 0xFF."""
     mag = Int32(code) & 0x7F
     sign = (Int32(code) & 0x80) << 24
     exponent = mag >> 3
     normal = _f32_from_bits((((exponent + 120) << 23) | ((mag & 7) << 20)) | sign)
     subnormal = _f32_from_bits(f32_bits(Float32(Int32(mag & 7)) * Float32(2.0 ** -9)) | sign)
-    return cutlass.select_(exponent == 0, subnormal, normal)
+    value = cutlass.select_(exponent == 0, subnormal, normal)
+    return cutlass.select_(mag == 0x7F, Float32(float("nan")), value)
 
 
 @cute.jit

@@ -50,6 +50,10 @@ def _states(slots: int, heads: int, rows: int, K: int, gen: torch.Generator) -> 
     return x
 
 
+def _unsigned_nan(codes: torch.Tensor) -> torch.Tensor:
+    return torch.where(codes & 0x7F == 0x7F, torch.full_like(codes, 0x7F), codes)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt_name", ["fp16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("stochastic", [False, True])
@@ -94,6 +98,8 @@ def test_state_io_matches_the_reference(fmt_name, stochastic, K):
         if fmt_name == "fp16":
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"slot {s}"
         else:
+            if fmt_name == "fp8":  # the sign of a NaN made by Inf * 0 is the platform's (x86: set)
+                got, want = _unsigned_nan(got), _unsigned_nan(want)
             assert torch.equal(got, want), f"slot {s}: {(got != want).sum()} codes differ"
         if fmt_name == "fp8":
             assert torch.equal(scale[s].cpu().view(torch.int32), ref.scales[0].view(torch.int32))
@@ -101,6 +107,6 @@ def test_state_io_matches_the_reference(fmt_name, stochastic, K):
             assert torch.equal(scale[s].cpu(), ref.scales[0].view(torch.uint8))
             assert torch.equal(state_scale[s].cpu(), ref.scales[1], ) or (
                 torch.isnan(ref.scales[1]) == torch.isnan(state_scale[s].cpu())).all()
-        finite = torch.isfinite(ref.value)
-        assert torch.equal(back[s].cpu()[finite], ref.value[finite]), f"slot {s}: decoded values"
-        assert torch.equal(torch.isnan(back[s].cpu()), torch.isnan(ref.value))
+        finite = torch.isfinite(ref.dequantized)
+        assert torch.equal(back[s].cpu()[finite], ref.dequantized[finite]), f"slot {s}: decoded values"
+        assert torch.equal(torch.isnan(back[s].cpu()), torch.isnan(ref.dequantized))

@@ -131,13 +131,15 @@ def _slot_ids(slot_ids, b: int, device) -> torch.Tensor:
     return slot_ids
 
 
-def _check_device(cache, device) -> None:
+def _check_device(cache, device, low_precision_kernel: bool = False) -> None:
+    """A CUDA cache; a low-precision one (checkpoint_format / read_copy / flush_corrections) only
+    where the op has its GPU kernel (``low_precision_kernel``)."""
     if device.type != "cuda":
         _fail("cache", "a cache on a CUDA device or the CPU", device)
-    if not getattr(cache, "is_plain", True):  # checkpoint_format / read_copy / flush_corrections
+    if not low_precision_kernel and not getattr(cache, "is_plain", True):
         raise NotImplementedError(
-            "argument 'cache': low-precision and two-precision caches run on the CPU reference only "
-            "(replayssm_cute.reference_lowprec); their GPU kernels are not written yet"
+            "argument 'cache': this operation runs low-precision and two-precision caches on the CPU "
+            "reference only (replayssm_cute.reference_lowprec); its GPU kernel for them is not written yet"
         )
 
 
@@ -199,17 +201,23 @@ def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
 
         return mamba2_decode_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
                                     dt_softplus=dt_softplus, out=out)
-    _check_device(cache, device)
+    _check_device(cache, device, low_precision_kernel=True)
 
-    from .kernels_host import mamba2_decode_kernel
+    from .kernels_host import checkpoint_arg, mamba2_decode_kernel, state_copy_args
 
     kernel = mamba2_decode_kernel(cache, dt.dtype, D is not None, z is not None, dt_bias is not None,
                                   dt_softplus, b, config)
-    ring = (cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin, cache.arrivals)
-    if cache.window == 1:
-        ring = (None,) * 6
-    kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, *ring)
+    kernel(checkpoint_arg(cache), x, dt, A, B, C, D, z, dt_bias, slot_ids, out, *_ring_args(cache),
+           *state_copy_args(cache))
     return out
+
+
+def _ring_args(cache, names=("ring_x", "ring_B", "ring_dt")) -> tuple:
+    """The ring tensors `names`, cursor, origin and arrivals of a ReplaySSM cache; at window 1
+    only arrivals, and only when SR writes need a per-slot write counter advanced."""
+    if cache.window > 1:
+        return tuple(getattr(cache, n) for n in names) + (cache.cursor, cache.origin, cache.arrivals)
+    return (None,) * (len(names) + 2) + (cache.arrivals if cache.sr_counter is not None else None,)
 
 
 def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts) -> tuple:

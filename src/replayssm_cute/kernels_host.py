@@ -23,12 +23,15 @@ def cute_dtype(dtype: torch.dtype):
     return getattr(cutlass, _CUTE_DTYPE_NAMES[dtype])
 
 
-def default_mamba2_config(headdim: int, batch: int, window: int):
+def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: bool = False):
     """Best measured on the H200 (sweeps/bench_decode.py): small tiles at batch <= 16, where more
     CTAs per row hide latency; at larger batch long warps (16-20 rows) so the per-CTA ring work
-    is amortised, with 2 warps for the conventional step."""
+    is amortised, with 2 warps for the conventional step. ``whole_head``: a CTA per head (the
+    writer of an nvfp4 copy needs the whole state's amax)."""
     from .kernels.mamba2.decode import Mamba2Config
 
+    if whole_head:
+        return Mamba2Config(rows_per_cta=headdim, num_warps=4 if headdim % 4 == 0 else 1)
     if batch <= 16:
         return Mamba2Config(rows_per_cta=16, num_warps=4)
     choices = [(64, 4), (40, 2), (32, 2)] if window > 1 else [(32, 2), (40, 2)]
@@ -39,11 +42,30 @@ def default_mamba2_config(headdim: int, batch: int, window: int):
 
 
 def mamba2_shape(nheads, headdim, dstate, ngroups, window, capacity, act_dtype, dt_dtype,
-                 has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id):
+                 has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id, checkpoint_format="fp32", read_copy=None):
     from .kernels.mamba2.decode import Mamba2Shape
 
     return Mamba2Shape(nheads, headdim, dstate, ngroups, window, capacity, cute_dtype(act_dtype),
-                       cute_dtype(dt_dtype), has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id)
+                       cute_dtype(dt_dtype), has_D, has_z, has_dt_bias, dt_softplus, pad_slot_id,
+                       checkpoint_format, read_copy)
+
+
+def state_copy_args(cache) -> tuple:
+    """The kernels' trailing state-copy arguments of ``cache`` (kernels/state_io.py): checkpoint
+    scale and state scale, read copy data, scale and state scale, SR seed and counter (None where
+    the configuration has none); fp8 / E4M3 codes as uint8 views."""
+    def codes(t):
+        return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
+
+    return (codes(getattr(cache, "checkpoint_scale", None)), getattr(cache, "checkpoint_state_scale", None),
+            codes(cache.read_copy), codes(getattr(cache, "read_copy_scale", None)),
+            getattr(cache, "read_copy_state_scale", None), cache.sr_seed, cache.sr_counter)
+
+
+def checkpoint_arg(cache) -> torch.Tensor:
+    """The checkpoint as the kernels take it (fp8 codes as uint8)."""
+    t = cache.checkpoint
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _compiled(name, key, build):
@@ -106,7 +128,12 @@ def _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
     return mamba2_shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                         cache.window if window is None else window,
                         cache.capacity if capacity is None else capacity, cache.dtype, dt_dtype, has_D,
-                        has_z, has_dt_bias, dt_softplus, cache.pad_slot_id)
+                        has_z, has_dt_bias, dt_softplus, cache.pad_slot_id, cache.checkpoint_format,
+                        cache.read_copy_format)
+
+
+def _whole_head(cache) -> bool:
+    return "nvfp4" in (cache.checkpoint_format, cache.read_copy_format)
 
 
 def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
@@ -114,11 +141,11 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
     bucket = batch_bucket(batch)
     fast_key = (cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
                 cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
-                cache.pad_slot_id, bucket, config)
+                cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format, bucket, config)
     return _cached_kernel(
         "decode", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window),
+        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window, _whole_head(cache)),
         lambda shape, cfg: cfg.check(shape),
         lambda shape, cfg: compile_mamba2(shape, cfg),
         ("mamba2_decode", 0, bucket))

@@ -1,0 +1,203 @@
+"""Decode kernels on low-precision and two-precision caches against the CPU reference (marked gpu).
+
+Each step is teacher-forced: a CPU twin of the GPU cache takes every tensor of the GPU cache,
+then both run the same step (``replayssm_cute.reference_lowprec`` on the CPU), so a mismatch
+points at that step. Checked every step, over several windows with rows at different ring
+positions, pad rows and idle slots:
+
+* outputs against the reference's (fp32 activations: only fp32 arithmetic differs);
+* every stored tensor: ring, cursor and SR counter equal; a copy the step writes equal code for
+  code to the reference's except where the two fp32 states straddle a rounding boundary (a few
+  in 10^4; decoded values within one step of the format), untouched copies bit-identical;
+* with an fp32 checkpoint, the read copy a flush writes is exactly quant's RTN of the checkpoint
+  the kernel wrote (scales included): both copies come from one fp32 state;
+* idle slots and pad rows bit-identical.
+
+A CUDA graph of a decode step replays bit-identically to eager steps on a clone, and
+replaying from the same state draws fresh SR bits.
+"""
+
+import pytest
+import torch
+
+import replayssm_cute as rs
+from replayssm_cute import quant
+
+pytestmark = pytest.mark.gpu
+
+H, P, N, G = 8, 64, 128, 2
+CONFIGS = [  # (window, checkpoint_format, read_copy)
+    (4, "fp32", "fp16"), (4, "fp32", "fp8"), (4, "fp32", "nvfp4"),
+    (4, "fp16", "fp8"), (4, "fp8", "nvfp4"), (4, "fp16", None), (4, "fp8", None), (4, "nvfp4", None),
+    (1, "fp16", None), (1, "fp8", None), (1, "nvfp4", None),
+]
+CODE_MATCH = 0.995  # fraction of codes equal to the reference's on a written copy
+
+
+def _tensors(cache) -> dict:
+    return {k: v for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+
+
+def _twin(cache, cpu):
+    for name, t in _tensors(cache).items():
+        getattr(cpu, name).copy_(t.cpu())
+
+
+def _mamba2_cache(device, slots, window, ckpt, read, seed=5):
+    return rs.Mamba2Cache(slots, H, P, N, G, window=window, max_draft=0, dtype=torch.float32, device=device,
+                          checkpoint_format=ckpt, read_copy=read, sr_seed=seed if ckpt != "fp32" else None)
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int16) if t.dtype == torch.float16 else t
+
+
+def _compare_copy(name, got, want, fmt_name):
+    """A written copy's data: codes equal but for boundary cases, decoded within one code step."""
+    if fmt_name == "fp32" or got.dtype == torch.float32:
+        rel = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+        assert rel < 1e-5, f"{name}: rel {rel:.2e}"
+        return
+    g, w = _codes(got).to(torch.int32), _codes(want).to(torch.int32)
+    if fmt_name == "nvfp4" and name.endswith("read_copy") or name == "checkpoint" and fmt_name == "nvfp4":
+        g = torch.stack((g & 0xF, g >> 4), -1)
+        w = torch.stack((w & 0xF, w >> 4), -1)
+    match = (g == w).double().mean().item()
+    assert match >= CODE_MATCH, f"{name}: {match:.4f} of codes equal"
+
+
+def _inputs(b, gen, device):
+    x = torch.randn(b, H, P, generator=gen, device=device)
+    dt = torch.randn(b, H, generator=gen, device=device) * 0.5
+    B = torch.randn(b, G, N, generator=gen, device=device)
+    C = torch.randn(b, G, N, generator=gen, device=device)
+    return x, dt, B, C
+
+
+@pytest.mark.parametrize("window,ckpt,read", CONFIGS)
+def test_mamba2_decode_lowprec_teacher_forced(window, ckpt, read):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(window * 31 + len(ckpt) + len(read or ""))
+    batch, slots = 6, 10
+    cache = _mamba2_cache(dev, slots, window, ckpt, read)
+    cpu = _mamba2_cache("cpu", slots, window, ckpt, read)
+    ids = torch.tensor([7, 2, 9, 0, 4, 5], dtype=torch.int32, device=dev)
+    cache.load_prefill(ids, torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.3)
+    A = -(1.0 + torch.rand(H, generator=gen, device=dev))
+    dt_bias = -3.0 + torch.rand(H, generator=gen, device=dev)
+    D = torch.randn(H, generator=gen, device=dev)
+    idle = [1, 3, 6, 8]
+    idle_before = {k: v[idle].clone() for k, v in _tensors(cache).items() if v.dim() and v.shape[0] == slots}
+    out_pad = torch.full((batch, H, P), 7.0, device=dev)
+    flushes = 0
+    for step in range(4 * window + 3):
+        step_ids = ids.clone()
+        step_ids[3] = -1  # a pad row
+        if step < window - 1:  # stagger: rows at different ring positions
+            step_ids[step % batch] = -1 if step % batch != 3 else step_ids[step % batch]
+        if step % 3 == 1:
+            step_ids[1] = slots + 3  # out of the pool: a pad row
+        x, dt, B, C = _inputs(batch, gen, dev)
+        _twin(cache, cpu)
+        before = {k: v.clone() for k, v in _tensors(cache).items()}
+        out = out_pad.clone()
+        rs.decode(cache, x, dt, A, B, C, step_ids, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
+        ref_out = torch.full((batch, H, P), 7.0)
+        rs.decode(cpu, x.cpu(), dt.cpu(), A.cpu(), B.cpu(), C.cpu(), step_ids.cpu(), D=D.cpu(),
+                  dt_bias=dt_bias.cpu(), dt_softplus=True, out=ref_out)
+        torch.cuda.synchronize()
+        live = [r for r in range(batch) if 0 <= int(step_ids[r]) < slots]
+        got, want = out.cpu(), ref_out
+        for r in range(batch):
+            if r not in live:
+                assert torch.equal(got[r], torch.full_like(got[r], 7.0)), f"step {step}: pad row {r} written"
+        rel = ((got[live] - want[live]).double().norm() / want[live].double().norm()).item()
+        assert rel < 2e-5, f"step {step}: outputs rel {rel:.2e}"
+        live_slots = [int(step_ids[r]) for r in live]
+        flushed = [s for s in live_slots if int(before["cursor"][s]) + 1 >= window]
+        flushes += len(flushed)
+        for name, t in _tensors(cache).items():
+            g, w = t.cpu(), getattr(cpu, name)
+            if name in ("cursor", "origin", "arrivals", "sr_counter", "sr_seed"):
+                assert torch.equal(g, w), f"step {step}: {name} {g.tolist()} != {w.tolist()}"
+            elif name.startswith(("checkpoint", "read_copy")):
+                for s in live_slots:
+                    if s in flushed:
+                        fmt = ckpt if name.startswith("checkpoint") else read
+                        if name.endswith("scale"):
+                            # scales follow the amax: equal unless the fp32 amax differs in the last bits
+                            close = torch.isclose(g[s].float(), w[s].float(), rtol=2 ** -7) if \
+                                g.dtype != torch.float8_e4m3fn else (g[s].view(torch.uint8).int() - w[s].view(torch.uint8).int()).abs() <= 1
+                            assert bool(close.all()), f"step {step}: {name} of slot {s}"
+                        else:
+                            _compare_copy(name, g[s], w[s], fmt)
+                    else:
+                        assert torch.equal(_codes(g[s]), _codes(before[name][s].cpu())), \
+                            f"step {step}: {name} of non-flushing slot {s} changed"
+            else:  # ring tensors
+                rel = ((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
+                assert rel < 1e-6, f"step {step}: {name} rel {rel:.2e}"
+        if ckpt == "fp32" and read is not None:
+            for s in flushed:
+                ref = quant.FP8E4M3(block_k=128) if read == "fp8" else quant.FORMATS[read]
+                enc = ref.encode_rtn(cache.checkpoint[s].cpu())
+                assert torch.equal(_codes(cache.read_copy[s].cpu()), _codes(enc.data)), f"step {step}: read copy"
+                for i, sc in enumerate(enc.scales):
+                    stored = getattr(cache, ("read_copy_scale", "read_copy_state_scale")[i])[s].cpu()
+                    assert torch.equal(_codes(stored), _codes(sc)), f"step {step}: read copy scale {i}"
+    assert flushes >= 2 * batch // 2
+    for k, v in idle_before.items():
+        assert torch.equal(_codes(getattr(cache, k)[idle]), _codes(v)), f"idle slots: {k} changed"
+
+
+@pytest.mark.parametrize("window,ckpt,read", [(1, "fp16", None), (4, "fp16", "fp8")])
+def test_mamba2_lowprec_cuda_graph_replay(window, ckpt, read):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    batch, slots = 4, 6
+    cache = _mamba2_cache(dev, slots, window, ckpt, read, seed=77)
+    ids = torch.tensor([0, 3, 5, 1], dtype=torch.int32, device=dev)
+    cache.load_prefill(ids, torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.3)
+    A = -(1.0 + torch.rand(H, generator=gen, device=dev))
+    D = torch.randn(H, generator=gen, device=dev)
+    static = list(_inputs(batch, gen, dev))
+    out = torch.empty(batch, H, P, device=dev)
+
+    def step():
+        rs.decode(cache, static[0], static[1], A, static[2], static[3], ids, D=D, out=out)
+
+    step()  # compile outside the capture
+    counter_before = int(cache.sr_counter[ids[0]])
+    eager = _mamba2_cache(dev, slots, window, ckpt, read, seed=77)
+    for name, t in _tensors(cache).items():
+        getattr(eager, name).copy_(t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for name, t in _tensors(eager).items():  # capture did not run the step
+        assert torch.equal(_codes(getattr(cache, name)), _codes(t)), name
+    eager_out = torch.empty_like(out)
+    for i in range(3 * window):
+        new = _inputs(batch, gen, dev)
+        for s, n in zip(static, new):
+            s.copy_(n)
+        graph.replay()
+        rs.decode(eager, new[0], new[1], A, new[2], new[3], ids, D=D, out=eager_out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out), f"replay {i}: outputs"
+        for name, t in _tensors(eager).items():
+            assert torch.equal(_codes(getattr(cache, name)), _codes(t)), f"replay {i}: {name}"
+    assert int(cache.sr_counter[ids[0]]) - counter_before == 3  # one SR write per flush, 3 flushes
+    # Fresh bits: the same state and inputs replayed again round differently.
+    saved = {k: v.clone() for k, v in _tensors(cache).items()}
+    for _ in range(window):
+        graph.replay()
+    first = cache.checkpoint[ids].clone()
+    for k, v in saved.items():
+        if k != "sr_counter":
+            getattr(cache, k).copy_(v)
+    for _ in range(window):
+        graph.replay()
+    second = cache.checkpoint[ids]
+    differ = (_codes(first) != _codes(second)).double().mean().item()
+    assert 0.05 < differ < 0.9, f"{differ:.3f} of SR codes differ between replays with fresh bits"
