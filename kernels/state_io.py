@@ -33,7 +33,7 @@ from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import f32_asm, ptx_op
-from .quant import E2M1, E4M3, F16, f32_bits, fmix32, round_to_code
+from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
 _E4M3_MAX = 448.0
@@ -138,16 +138,23 @@ class StateCopies:
         return self.checkpoint.low_precision
 
     @property
+    def light(self) -> bool:
+        """The entry is low precision and no copy needs a whole-state scale: a kernel keeps no
+        fp32 tile in shared memory (only the small entry tile, so more CTAs fit an SM) and a flush
+        folds row by row in registers from the checkpoint."""
+        return self.entry.low_precision and not self.whole_state
+
+    @property
     def whole_state(self) -> bool:
         """nvfp4 is written with one scale per state: its writer holds a whole head."""
         return "nvfp4" in (self.checkpoint_format, self.read_copy)
 
     def smem_bytes(self, rows: int, warps: int) -> int:
         """Shared memory beyond the fp32 work tile: low-precision tiles, mbarriers, amax slots."""
-        extra = 0
+        extra = -4 * rows * self.K if self.light else 0  # no fp32 work tile
         if self.entry.low_precision:
             extra += rows * self.entry.row_bytes + 128 + self.entry.scale_smem_bytes(rows)
-        if self.separate:
+        if self.separate and not self.light:
             extra += 8 * warps + (rows * self.checkpoint.row_bytes + 128 if self.checkpoint.low_precision else 0)
         if self.whole_state:
             extra += 4 * warps
@@ -160,6 +167,8 @@ class StateCopies:
             reason = None if fmt is None else fmt.check(vec)
             if reason is not None:
                 return reason
+            if fmt is not None and fmt.low_precision and 32 * vec != self.K:
+                return f"a {fmt.name} copy needs every lane to hold a slice of a row: K = 32 x {vec}, not {self.K}"
         if self.whole_state and rows_per_cta != rows_per_head:
             return f"nvfp4 copies are written by one CTA per head: rows_per_cta must be {rows_per_head}"
         return None
@@ -201,6 +210,38 @@ def _rcp_toward_zero(d: Float32, *, loc=None, ip=None) -> Float32:
     return f32_asm(Float32, d, "rcp.rz.f32 $0, $1;", "=f,f", loc, ip)
 
 
+@dsl_user_op
+def _f16_code_rn(x: Float32, *, loc=None, ip=None) -> Int32:
+    """fp16 RTN code of x by the hardware conversion (ties to even, overflow to Inf, subnormals
+    kept): quant's RTN for every non-NaN x."""
+    return ptx_op(Int32, [Float32(x)], "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.u32.u16 $0, h; }", "=r,f", loc, ip)
+
+
+@dsl_user_op
+def _e4m3_code_rn(x: Float32, *, loc=None, ip=None) -> Int32:
+    """E4M3 RTN code of x by the hardware conversion (sm_89+; satfinite: overflow and Inf to
+    ±448 as quant's E4M3 RTN): quant's RTN for every non-NaN x."""
+    return ptx_op(Int32, [Float32(x)], "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, $1, $1; cvt.u32.u16 $0, h; }",
+                  "=r,f", loc, ip)
+
+
+@cute.jit
+def rtn_code(x: Float32, spec: cutlass.Constexpr[Minifloat]) -> Int32:
+    """quant's RTN code of x in ``spec``: the hardware conversion for fp16 and E4M3 (NaN mapped to
+    the reference's code, sign kept), software for E2M1 (sm_90a has no E2M1 conversion)."""
+    code = Int32(0)
+    if cutlass.const_expr(spec is F16):
+        code = _f16_code_rn(x) & 0xFFFF
+    elif cutlass.const_expr(spec is E4M3):
+        code = _e4m3_code_rn(x) & 0xFF
+    else:
+        code = round_to_code(x, Uint32(0), spec, False)
+    if cutlass.const_expr(spec is not E2M1):
+        nan = spec.nan_code | ((f32_bits(x) >> 31) & 1) * spec.sign_bit
+        code = cutlass.select_(x != x, Int32(nan), code)
+    return code
+
+
 @cute.jit
 def _reciprocal_or_zero(d: Float32) -> Float32:
     """1 / d rounded toward zero, 0 where d == 0 (quant._reciprocal_toward_zero)."""
@@ -227,6 +268,17 @@ def e4m3_value(code: Int32) -> Float32:
     subnormal = _f32_from_bits(f32_bits(Float32(Int32(mag & 7)) * Float32(2.0 ** -9)) | sign)
     value = cutlass.select_(exponent == 0, subnormal, normal)
     return cutlass.select_(mag == 0x7F, Float32(float("nan")), value)
+
+
+@dsl_user_op
+def _e4m3_pair_values(pair: Int32, *, loc=None, ip=None):
+    """The values of two E4M3 codes (low byte first) by the hardware conversion (sm_89+; exact,
+    NaN for 0x7F / 0xFF, as ``e4m3_value``)."""
+    halves = ptx_op(Int32, [Int32(pair)], "{ .reg .b16 p; cvt.u16.u32 p, $1; cvt.rn.f16x2.e4m3x2 $0, p; }",
+                    "=r,r", loc, ip)
+    lo = ptx_op(Float32, [halves], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=f,r", loc, ip)
+    hi = ptx_op(Float32, [halves], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h; }", "=f,r", loc, ip)
+    return lo, hi
 
 
 @cute.jit
@@ -303,12 +355,15 @@ def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Fl
     elif cutlass.const_expr(fmt.name == "fp16"):
         rH = cute.make_rmem_tensor((vec,), Float16)
         cute.autovec_copy(src, rH)
-        out.store(rH.load().to(Float32))
+        for v in cutlass.range_constexpr(vec):
+            out[v] = rH[v].to(Float32)
     elif cutlass.const_expr(fmt.name == "fp8"):
         rB = cute.make_rmem_tensor((vec,), Uint8)
         cute.autovec_copy(src, rB)
-        for v in cutlass.range_constexpr(vec):
-            out[v] = _mul_rn(e4m3_value(Int32(rB[v])), scale)
+        for v in cutlass.range_constexpr(vec // 2):
+            lo, hi = _e4m3_pair_values(Int32(rB[2 * v]) | (Int32(rB[2 * v + 1]) << 8))
+            out[2 * v] = _mul_rn(lo, scale)
+            out[2 * v + 1] = _mul_rn(hi, scale)
     else:
         rB = cute.make_rmem_tensor((vec // 2,), Uint8)
         cute.autovec_copy(src, rB)
@@ -316,6 +371,25 @@ def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Fl
             byte = Int32(rB[v])
             out[2 * v] = _e2m1_value(byte & 0xF) * scale
             out[2 * v + 1] = _e2m1_value(byte >> 4) * scale
+
+
+@cute.jit
+def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, mStateScale, sEntry, sEntryScale,
+                   entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32, r: Int32, out: cute.Tensor):
+    """``out`` (vec,) fp32 <- the lane's slice of checkpoint row ``first_row + r`` (warp row r) for a
+    kernel without an fp32 tile (``StateCopies.light``): from global memory next to a read copy,
+    else from the entry tile, which holds the checkpoint."""
+    ckpt = copies.checkpoint
+    vec = cute.size(out)
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    if cutlass.const_expr(copies.separate):
+        scale = load_scale(ckpt, mScale, mStateScale, slot, head, first_row + r, lane * vec)
+        decode_slice(ckpt, cute.local_tile(mCheckpoint[slot, head, first_row + r, None], (ckpt.per_lane(vec),),
+                                           (lane,)), scale, out)
+    else:
+        scale = smem_scale(ckpt, sEntryScale, warp, r, lane * vec, entry_state_scale)
+        decode_slice(ckpt, cute.local_tile(sEntry[r, None, warp], (ckpt.per_lane(vec),), (lane,)), scale, out)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -390,7 +464,7 @@ def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constex
         if cutlass.const_expr(fmt.name == "nvfp4"):
             finite = state_scale == state_scale
             a = _div(_group_max(lane_amax(values), block_lanes), state_scale, "rn")
-            block = round_to_code(_div(a, Float32(_E2M1_MAX), "rn"), Uint32(0), E4M3, False)
+            block = rtn_code(_div(a, Float32(_E2M1_MAX), "rn"), E4M3)
             block = block + cutlass.select_(e4m3_value(block) * Float32(_E2M1_MAX) < a, Int32(1), Int32(0))
             block = cutlass.select_(finite, block, Int32(0))
             factor = _reciprocal_or_zero(e4m3_value(block) * state_scale)
@@ -405,7 +479,10 @@ def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constex
             if cutlass.const_expr(fmt.name != "fp16"):
                 x = _mul_rn(x, factor)
             spec = {"fp16": F16, "fp8": E4M3, "nvfp4": E2M1}[fmt.name]
-            codes[v] = round_to_code(x, bits, spec, stochastic)
+            if cutlass.const_expr(stochastic):
+                codes[v] = round_to_code(x, bits, spec, True)
+            else:
+                codes[v] = rtn_code(x, spec)
         if cutlass.const_expr(fmt.name == "fp16"):
             rH = cute.make_rmem_tensor((vec,), cutlass.Int16)
             for v in cutlass.range_constexpr(vec):

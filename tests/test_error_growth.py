@@ -1,12 +1,19 @@
 """sweeps/error_growth.py on the CPU (tiny shapes, N = 64): the CSV's rows and columns, the fp32
 floor, shared low-precision state against a separate fp32 recurrence, GDN fold against re-derive,
-the averaging windows, reproducibility, the plot, and the CLI's errors (--device cuda refused)."""
+the averaging windows, reproducibility, the plot, and the CLI's errors. The GPU path (--device
+cuda: every configuration of a layer stepped together, LayerRun) checked on the CPU: with CPU
+caches it gives run_job's numbers bit for bit, eager and through the graph control flow, with
+partial chunks; main's CUDA flow end to end with CPU caches; its defaults; without a GPU it exits
+1. Marked gpu: graph replay against eager steps, the GPU kernels against the CPU reference, and
+the command line on the GPU."""
 
 import csv
 import dataclasses
+import math
 import sys
 
 import pytest
+import torch
 from _sweeps import assert_usage_errors, load, run
 
 TOKENS = 64
@@ -44,7 +51,9 @@ def test_csv_rows_and_columns(sweep):
     rows, header = sweep["rows"], sweep["header"]
     assert tuple(header) == _eg().COLUMNS == (
         "layer", "config", "checkpoint_format", "read_copy", "shared", "window", "flush_corrections", "N",
-        "rel_err_output", "rel_err_state")
+        "rel_err_output", "rel_err_state", "backend", "batch", "shape")
+    assert {(r["backend"], r["batch"]) for r in rows} == {("cpu-reference", "2")}
+    assert {r["shape"] for r in rows} == {"2x16x32x1"}
     # the *-fold configuration is GDN only: 4 Mamba-2 runs, 5 GDN runs, 7 points each
     expected = [(la, c) for la in ("mamba2", "gdn") for c in CONFIGS if not (la == "mamba2" and c.endswith("-fold"))]
     assert [(r["layer"], r["config"]) for r in rows[::len(POINTS)]] == expected
@@ -141,15 +150,19 @@ def test_list():
     assert "sep-fp16-nvfp4-fold" in names and "[GDN only]" in proc.stdout
 
 
-def test_device_cuda_refused():
-    proc = run("error_growth", ["--device", "cuda", "--tokens", "8"])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
-    assert "--device cuda: the GPU kernels for low-precision caches are not built yet; this runs the reference " \
-           "on the CPU" in proc.stderr
+def test_device_cuda_without_a_gpu(monkeypatch, capsys):
+    proc = run("error_growth", ["--device", "cuda", "--tokens", "8"], CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "error_growth: no CUDA GPU found: --device cuda runs the decode kernels and needs one" in proc.stderr
     eg = _eg()
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        eg.make_cache(eg.make_layer("mamba2", (2, 16, 32, 1), 1, (1e-4, 0.1)), eg.CONFIGS["shared-fp8"], 16, 0,
-                      device="cuda")
+    monkeypatch.setattr(eg.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        eg.parse(["--device", "cuda"])
+    assert e.value.code == 1 and capsys.readouterr().err.strip() == eg.NO_CUDA
+    # usage errors come first (exit 2), with or without a GPU
+    with pytest.raises(SystemExit) as e:
+        eg.parse(["--device", "cuda", "--graph-steps", "0"])
+    assert e.value.code == 2
 
 
 USAGE_ERRORS = [
@@ -172,6 +185,10 @@ USAGE_ERRORS = [
      "mamba2 configuration shared-nvfp4 at --mamba2-shape 4,16,24,1: checkpoint_format='nvfp4' needs dstate to be "
      "a multiple of 16"),
     (["--layers", "gdn", "--gdn-shape", "3,32,32,2"], "num_v_heads (3) must be a multiple of num_k_heads (2)"),
+    (["--no-graph"], "--graph-steps and --no-graph apply to --device cuda only"),
+    (["--graph-steps", "8"], "--graph-steps and --no-graph apply to --device cuda only"),
+    (["--device", "cuda", "--graph-steps", "0"], "--graph-steps must be >= 1, got 0"),
+    (["--device", "cuda", "--tokens", "65537"], "--tokens must be in [1, 65536], got 65537"),
 ]
 
 
@@ -205,3 +222,243 @@ def test_plot(tmp_path):
                                        "--jobs", "1", "--out", str(out), "--plot", str(png)], timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the GPU path, checked on the CPU
+
+LAYER_CONFIGS = {  # window 1 and L, every format, shared and separate, GDN fold and re-derive
+    "mamba2": ["conv-fp32", "conv-nvfp4", "shared-fp8", "replay-fp32", "sep-fp16-nvfp4", "sep-fp8-fp16"],
+    "gdn": ["conv-fp8", "shared-nvfp4", "replay-fp32", "replay-fp32-rederive", "sep-fp32-fp8", "sep-fp8-fp16-fold"],
+}
+
+
+def _jobs(eg, layer, configs, tokens=37, window=4, batch=2, shape=(2, 16, 32, 1), device="cpu", prefill=8):
+    return [eg.Job(layer, c, shape, batch, tokens, prefill, window, (1e-4, 0.1), 7, device) for c in configs]
+
+
+def _same(a, b, rtol=1e-12):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+def test_layer_run_gives_run_jobs_numbers(layer, graphs):
+    """All configurations stepped together (chunks of 8 steps at L = 4, 37 steps: a first eager
+    chunk, three replays of the captured chunk, a partial chunk) = each run alone."""
+    eg = _eg()
+    jobs = _jobs(eg, layer, LAYER_CONFIGS[layer])
+    run = eg.LayerRun(jobs, eg.graph_chunk(4, 6))
+    assert run.chunk == 8
+    run.run(graphs)
+    assert run.graphed_chunks == (3 if graphs else 0)
+    got = run.results()
+    for job in jobs:
+        want = eg.run_job(job)
+        assert got[job.config]["meta"] == want["meta"]
+        _same(got[job.config]["out"], want["out"])
+        _same(got[job.config]["state"], want["state"])
+        assert eg.summarize(got[job.config], job.tokens)[-1]["N"] == 32
+
+
+def test_run_layer_ticks_and_chunk_rounding():
+    eg = _eg()
+    jobs = _jobs(eg, "gdn", ["conv-fp16", "sep-fp32-fp16"], tokens=20, window=3)
+    ticks = []
+    res = eg.run_layer(jobs, graph_steps=4, tick=ticks.append)  # 4 rounds up to 6 = 2 windows of 3
+    assert ticks == [12, 12, 12, 4] and sum(ticks) == 2 * 20
+    assert [i for i in range(20) if not res["sep-fp32-fp16"]["state"][i].isnan()] == [2, 5, 8, 11, 14, 17]
+    assert not res["conv-fp16"]["state"].isnan().any()
+
+
+def test_graph_chunk_and_flush_schedule():
+    eg = _eg()
+    assert eg.graph_chunk(16, 64) == 64 and eg.graph_chunk(16, 1) == 16 and eg.graph_chunk(16, 65) == 80
+    assert eg.graph_chunk(5, 64) == 65 and eg.graph_chunk(32, 64) == 64
+    assert [n for n in range(10) if eg.writes_checkpoint(n, 4)] == [3, 7]
+    assert all(eg.writes_checkpoint(n, 1) for n in range(5))
+
+
+def test_layer_run_checks():
+    eg = _eg()
+    jobs = _jobs(eg, "mamba2", ["conv-fp32", "shared-fp8"], tokens=10)
+    with pytest.raises(ValueError, match="jobs differ beyond their configuration"):
+        eg.LayerRun([jobs[0], dataclasses.replace(jobs[1], seed=8)], 8)
+    with pytest.raises(ValueError, match="chunk 6 is not a multiple of the window 4"):
+        eg.LayerRun(jobs, 6)
+    run = eg.LayerRun(jobs, 8)
+    run.run()
+    run.caches[1].cursor[0] += 1  # a row off the assumed schedule
+    with pytest.raises(RuntimeError, match="shared-fp8: cursors .* expected 2: the flush schedule"):
+        run.results()
+
+
+def test_checkpoint_value_is_read_state():
+    eg = _eg()
+    for c in ("conv-fp32", "shared-fp16", "sep-fp8-fp8", "shared-nvfp4"):
+        lay = eg.make_layer("gdn", (2, 16, 32, 1), 3, (1e-4, 0.1))
+        cache = eg.make_cache(lay, eg.CONFIGS[c], 4, 1)
+        cache.load_prefill([0, 1, 2], torch.randn(3, 2, 16, 32))
+        assert torch.equal(eg.checkpoint_value(cache), cache.read_state([0, 1, 2])), c
+
+
+def test_gpu_tag_and_default_out():
+    eg = _eg()
+    assert eg.gpu_tag("NVIDIA H200") == "h200" and eg.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert eg.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100" and eg.gpu_tag("NVIDIA B200") == "b200"
+    assert eg.gpu_tag("Some GPU") == "cuda" and eg.gpu_tag("") == "cuda"
+    assert eg.default_out("cpu") == eg.RESULTS / "error_growth_cpu.csv"
+    assert eg.default_out("cuda", "NVIDIA H200") == eg.RESULTS / "error_growth_h200.csv"
+
+
+def _fake_gpu(monkeypatch, eg):
+    monkeypatch.setattr(eg.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(eg.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+
+
+def test_cuda_defaults(monkeypatch):
+    eg = _eg()
+    _fake_gpu(monkeypatch, eg)
+    args = eg.parse(["--device", "cuda"])
+    assert (args.tokens, args.batch, args.graph_steps, args.no_graph) == (65536, 64, 64, False)
+    assert (args.mamba2_shape, args.gdn_shape) == ("4,16,64,1", "4,32,64,1")
+    assert args.out == eg.RESULTS / "error_growth_h200.csv" and args.gpu_name == "NVIDIA H200"
+    assert len(args.jobs_list) == 44 and {j.device for j in args.jobs_list} == {"cuda"}
+    assert {j.tokens for j in args.jobs_list} == {65536} and {j.batch for j in args.jobs_list} == {64}
+    args = eg.parse(["--device", "cuda", "--tokens", "100", "--batch", "3", "--out", "x.csv", "--no-graph",
+                     "--graph-steps", "20", "--gdn-shape", "2,16,64,1", "--layers", "gdn"])
+    assert (args.tokens, args.batch, str(args.out), args.graph_steps, args.no_graph) == (100, 3, "x.csv", 20, True)
+    assert {j.shape for j in args.jobs_list} == {(2, 16, 64, 1)} and len(args.jobs_list) == 27
+    args = eg.parse([])  # the CPU defaults are unchanged
+    assert (args.tokens, args.batch, args.mamba2_shape, args.gdn_shape, args.out) == (
+        4096, 2, "4,16,32,1", "4,32,32,1", eg.DEFAULT_OUT)
+    assert {j.device for j in args.jobs_list} == {"cpu"}
+
+
+def test_main_cuda_flow_with_cpu_caches(monkeypatch, tmp_path, capsys):
+    """main --device cuda end to end, the caches on the CPU: compiles first (in this process),
+    then each layer's configurations together; the CSV holds run_job's numbers."""
+    eg = _eg()
+    _fake_gpu(monkeypatch, eg)
+    on_cpu = lambda jobs: [dataclasses.replace(j, device="cpu") for j in jobs]  # noqa: E731
+    compiled = []
+    real_precompile, real_run_layer = eg.precompile, eg.run_layer
+
+    def precompile(jobs, workers):
+        compiled.extend((j.layer, j.config, j.device) for j in jobs)
+        return real_precompile(on_cpu(jobs), 1)
+
+    monkeypatch.setattr(eg, "precompile", precompile)
+    monkeypatch.setattr(eg, "run_layer", lambda jobs, *a: real_run_layer(on_cpu(jobs), *a))
+    out = tmp_path / "gpu.csv"
+    configs = ["conv-fp8", "shared-nvfp4", "sep-fp32-fp8", "sep-fp32-fp8-fold"]
+    argv = ["--device", "cuda", "--tokens", "40", "--batch", "2", "--window", "4", "--graph-steps", "8",
+            "--prefill", "8", "--seed", "7", "--rates", "1e-4,0.1", "--configs", ",".join(configs),
+            "--mamba2-shape", "2,16,32,1", "--gdn-shape", "2,16,32,1", "--out", str(out), "--progress-every", "1000"]
+    assert eg.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "NVIDIA H200: replayssm_cute.decode on CUDA caches" in stdout and "CUDA graphs of 8 steps" in stdout
+    assert "mamba2: 3 configurations x 40 steps" in stdout and "gdn: 4 configurations x 40 steps" in stdout
+    assert len(compiled) == 7 and {d for *_, d in compiled} == {"cuda"}
+    rows, _ = _read(out)
+    assert len(rows) == 7 * 6
+    for la in ("mamba2", "gdn"):
+        for c in configs:
+            if la == "mamba2" and c.endswith("-fold"):
+                continue
+            job = _jobs(eg, la, [c], tokens=40)[0]
+            want = eg.summarize(eg.run_job(job), 40)
+            got = _get(rows, la, c)
+            assert [int(r["N"]) for r in got] == [w["N"] for w in want] == [1, 2, 4, 8, 16, 32]
+            for g, w in zip(got, want):
+                assert float(g["rel_err_output"]) == pytest.approx(w["rel_err_output"], rel=1e-6)
+                assert (g["rel_err_state"] == "") == (w["rel_err_state"] is None)
+                if w["rel_err_state"] is not None:
+                    assert float(g["rel_err_state"]) == pytest.approx(w["rel_err_state"], rel=1e-6)
+
+
+def test_main_cuda_stops_when_a_configuration_fails(monkeypatch, capsys):
+    eg = _eg()
+    _fake_gpu(monkeypatch, eg)
+    monkeypatch.setattr(eg, "precompile", lambda jobs, workers: {("gdn", "shared-nvfp4"): "ValueError: no"})
+    monkeypatch.setattr(eg, "run_layer", lambda *a: pytest.fail("ran after a failed compile"))
+    assert eg.main(["--device", "cuda", "--layers", "gdn", "--configs", "shared-nvfp4", "--out", "x.csv"]) == 1
+    assert "error_growth: gdn configuration shared-nvfp4: the GPU decode step failed: ValueError: no" in \
+        capsys.readouterr().err
+
+
+def test_precompile_reports_failures():
+    eg = _eg()
+    good = _jobs(eg, "mamba2", ["shared-fp8"], tokens=4)
+    assert eg.precompile(good, 1) == {}
+    bad = _jobs(eg, "gdn", ["conv-fp16"], tokens=4, shape=(3, 16, 32, 2))  # HV not a multiple of H
+    failed = eg.precompile(good + bad, 1)
+    assert list(failed) == [("gdn", "conv-fp16")]
+    assert "num_v_heads (3) must be a multiple" in failed[("gdn", "conv-fp16")]
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+GPU_CONFIGS = {
+    "mamba2": ["conv-fp32", "conv-fp8", "conv-nvfp4", "shared-fp16", "shared-nvfp4", "replay-fp32", "sep-fp32-fp8",
+               "sep-fp16-nvfp4", "sep-fp8-fp16"],
+    "gdn": ["conv-fp32", "conv-fp8", "conv-nvfp4", "shared-fp16", "shared-nvfp4", "replay-fp32",
+            "replay-fp32-rederive", "sep-fp32-fp8", "sep-fp32-fp8-fold", "sep-fp16-nvfp4", "sep-fp8-fp16"],
+}
+FLOOR = {("mamba2", "conv-fp32"), ("mamba2", "replay-fp32"), ("gdn", "conv-fp32")}  # fp32 state, no fp16 ring
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+def test_gpu_graph_replay_matches_eager(layer):
+    """The captured chunk replayed = the same steps run eagerly, bit for bit (44 steps, chunks of
+    8 at L = 4: an eager chunk, four replays, a partial chunk)."""
+    eg = _eg()
+    jobs = _jobs(eg, layer, GPU_CONFIGS[layer], tokens=44, batch=8, shape=eg.CUDA_DEFAULT_SHAPES[layer],
+                 device="cuda")
+    runs = {}
+    for graphs in (True, False):
+        run = eg.LayerRun(jobs, 8)
+        run.run(graphs)
+        assert run.graphed_chunks == (4 if graphs else 0)
+        runs[graphs] = run.results()
+    for c in GPU_CONFIGS[layer]:
+        assert runs[True][c]["meta"]["backend"] == "cuda-kernels"
+        _same(runs[True][c]["out"], runs[False][c]["out"], rtol=0)
+        _same(runs[True][c]["state"], runs[False][c]["state"], rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+def test_gpu_kernels_track_the_cpu_reference(layer):
+    """The same inputs, prefill and SR seeds on the GPU kernels and on the CPU reference: the
+    error curves agree (fp32 arithmetic and the odd code across a rounding boundary apart)."""
+    eg = _eg()
+    kw = dict(tokens=128, window=16, batch=4, shape=eg.CUDA_DEFAULT_SHAPES[layer], prefill=32)
+    gpu = eg.run_layer(_jobs(eg, layer, GPU_CONFIGS[layer], device="cuda", **kw))
+    cpu = eg.run_layer(_jobs(eg, layer, GPU_CONFIGS[layer], device="cpu", **kw))
+    for c in GPU_CONFIGS[layer]:
+        g, r = eg.summarize(gpu[c], 128), eg.summarize(cpu[c], 128)
+        for gr, rr in zip(g[-2:], r[-2:]):  # N = 64, 128
+            ge, re_ = gr["rel_err_output"], rr["rel_err_output"]
+            if (layer, c) in FLOOR:
+                assert ge < 1e-5 and re_ < 1e-5, (c, gr["N"], ge, re_)
+            else:
+                assert 1 / 3 < ge / re_ < 3, (c, gr["N"], ge, re_)  # catches gross mistakes only
+            if c.startswith("sep-fp32") and not c.endswith("-fold"):  # an fp32 recurrence checkpoint stays clean
+                assert gr["rel_err_state"] < 1e-5, (c, gr)
+
+
+@pytest.mark.gpu
+def test_gpu_command_line(tmp_path):
+    out = tmp_path / "gpu.csv"
+    proc = run("error_growth", ["--device", "cuda", "--tokens", "256", "--jobs", "2", "--configs",
+                                "conv-fp32,shared-fp8,sep-fp32-nvfp4,sep-fp32-fp8-fold", "--out", str(out)],
+               timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows, _ = _read(out)
+    assert len(rows) == 7 * 9 and {(r["backend"], r["batch"]) for r in rows} == {("cuda-kernels", "64")}
+    assert {r["shape"] for r in rows if r["layer"] == "gdn"} == {"4x32x64x1"}
+    assert all(math.isfinite(float(r["rel_err_output"])) for r in rows)
+    for la in ("mamba2", "gdn"):
+        assert float(_get(rows, la, "conv-fp32", 256)["rel_err_output"]) < 1e-5
+        assert float(_get(rows, la, "shared-fp8", 256)["rel_err_output"]) > 1e-3

@@ -25,11 +25,17 @@ from replayssm_cute import quant
 
 pytestmark = pytest.mark.gpu
 
-H, P, N, G = 8, 64, 128, 2
+H, P, N, G = 8, 64, 128, 2  # Mamba-2
+HV, V, K, HK = 8, 128, 128, 4  # GDN
 CONFIGS = [  # (window, checkpoint_format, read_copy)
     (4, "fp32", "fp16"), (4, "fp32", "fp8"), (4, "fp32", "nvfp4"),
     (4, "fp16", "fp8"), (4, "fp8", "nvfp4"), (4, "fp16", None), (4, "fp8", None), (4, "nvfp4", None),
     (1, "fp16", None), (1, "fp8", None), (1, "nvfp4", None),
+]
+GDN_CONFIGS = [  # (window, checkpoint_format, read_copy, flush_corrections)
+    (4, "fp32", "fp8", "rederive"), (4, "fp32", "fp8", "fold"), (4, "fp16", "nvfp4", "rederive"),
+    (4, "fp8", "fp16", "rederive"), (4, "fp32", None, "rederive"), (4, "fp16", None, None),
+    (4, "nvfp4", None, None), (1, "fp8", None, None), (1, "nvfp4", None, None),
 ]
 CODE_MATCH = 0.995  # fraction of codes equal to the reference's on a written copy
 
@@ -46,6 +52,55 @@ def _twin(cache, cpu):
 def _mamba2_cache(device, slots, window, ckpt, read, seed=5):
     return rs.Mamba2Cache(slots, H, P, N, G, window=window, max_draft=0, dtype=torch.float32, device=device,
                           checkpoint_format=ckpt, read_copy=read, sr_seed=seed if ckpt != "fp32" else None)
+
+
+def _gdn_cache(device, slots, window, ckpt, read, corrections, seed=5):
+    return rs.GDNCache(slots, HV, V, K, HK, window=window, max_draft=0, dtype=torch.float32, device=device,
+                       checkpoint_format=ckpt, read_copy=read, sr_seed=seed if ckpt != "fp32" else None,
+                       flush_corrections=corrections, keep_v_beta=True if corrections == "rederive" else None)
+
+
+class _Mamba2Layer:
+    state = (H, P, N)
+
+    def __init__(self, gen, dev):
+        self.A = -(1.0 + torch.rand(H, generator=gen, device=dev))
+        self.dt_bias = -3.0 + torch.rand(H, generator=gen, device=dev)
+        self.D = torch.randn(H, generator=gen, device=dev)
+
+    def decode(self, cache, inputs, ids, out):
+        x, dt, B, C = inputs
+        dev = cache.checkpoint.device
+        return rs.decode(cache, x.to(dev), dt.to(dev), self.A.to(dev), B.to(dev), C.to(dev), ids.to(dev),
+                         D=self.D.to(dev), dt_bias=self.dt_bias.to(dev), dt_softplus=True, out=out)
+
+    @staticmethod
+    def inputs(b, gen, dev):
+        return _inputs(b, gen, dev)
+
+    out_shape = (H, P)
+
+
+class _GDNLayer:
+    state = (HV, V, K)
+
+    def __init__(self, gen, dev):
+        self.A_log = torch.rand(HV, generator=gen, device=dev) - 1.0
+        self.dt_bias = torch.rand(HV, generator=gen, device=dev) - 2.0
+
+    def decode(self, cache, inputs, ids, out):
+        q, k, v, a, b = inputs
+        dev = cache.checkpoint.device
+        return rs.decode(cache, q.to(dev), k.to(dev), v.to(dev), a.to(dev), b.to(dev), self.A_log.to(dev),
+                         self.dt_bias.to(dev), ids.to(dev), out=out)
+
+    @staticmethod
+    def inputs(b, gen, dev):
+        return (torch.randn(b, HK, K, generator=gen, device=dev), torch.randn(b, HK, K, generator=gen, device=dev),
+                torch.randn(b, HV, V, generator=gen, device=dev), torch.randn(b, HV, generator=gen, device=dev),
+                torch.randn(b, HV, generator=gen, device=dev))
+
+    out_shape = (HV, V)
 
 
 def _codes(t: torch.Tensor) -> torch.Tensor:
@@ -76,19 +131,25 @@ def _inputs(b, gen, device):
 
 @pytest.mark.parametrize("window,ckpt,read", CONFIGS)
 def test_mamba2_decode_lowprec_teacher_forced(window, ckpt, read):
+    _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, window, ckpt, read), window, ckpt, read)
+
+
+@pytest.mark.parametrize("window,ckpt,read,corrections", GDN_CONFIGS)
+def test_gdn_decode_lowprec_teacher_forced(window, ckpt, read, corrections):
+    _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, window, ckpt, read, corrections), window, ckpt, read)
+
+
+def _teacher_forced(layer_cls, make_cache, window, ckpt, read):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(window * 31 + len(ckpt) + len(read or ""))
     batch, slots = 6, 10
-    cache = _mamba2_cache(dev, slots, window, ckpt, read)
-    cpu = _mamba2_cache("cpu", slots, window, ckpt, read)
+    cache, cpu = make_cache(dev), make_cache("cpu")
+    layer = layer_cls(gen, dev)
     ids = torch.tensor([7, 2, 9, 0, 4, 5], dtype=torch.int32, device=dev)
-    cache.load_prefill(ids, torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.3)
-    A = -(1.0 + torch.rand(H, generator=gen, device=dev))
-    dt_bias = -3.0 + torch.rand(H, generator=gen, device=dev)
-    D = torch.randn(H, generator=gen, device=dev)
+    cache.load_prefill(ids, torch.randn((batch,) + layer.state, generator=gen, device=dev) * 0.3)
     idle = [1, 3, 6, 8]
     idle_before = {k: v[idle].clone() for k, v in _tensors(cache).items() if v.dim() and v.shape[0] == slots}
-    out_pad = torch.full((batch, H, P), 7.0, device=dev)
+    out_pad = torch.full((batch,) + layer.out_shape, 7.0, device=dev)
     flushes = 0
     for step in range(4 * window + 3):
         step_ids = ids.clone()
@@ -97,14 +158,13 @@ def test_mamba2_decode_lowprec_teacher_forced(window, ckpt, read):
             step_ids[step % batch] = -1 if step % batch != 3 else step_ids[step % batch]
         if step % 3 == 1:
             step_ids[1] = slots + 3  # out of the pool: a pad row
-        x, dt, B, C = _inputs(batch, gen, dev)
+        inputs = layer.inputs(batch, gen, dev)
         _twin(cache, cpu)
         before = {k: v.clone() for k, v in _tensors(cache).items()}
         out = out_pad.clone()
-        rs.decode(cache, x, dt, A, B, C, step_ids, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
-        ref_out = torch.full((batch, H, P), 7.0)
-        rs.decode(cpu, x.cpu(), dt.cpu(), A.cpu(), B.cpu(), C.cpu(), step_ids.cpu(), D=D.cpu(),
-                  dt_bias=dt_bias.cpu(), dt_softplus=True, out=ref_out)
+        layer.decode(cache, inputs, step_ids, out)
+        ref_out = out_pad.cpu()
+        layer.decode(cpu, [t.cpu() for t in inputs], step_ids.cpu(), ref_out)
         torch.cuda.synchronize()
         live = [r for r in range(batch) if 0 <= int(step_ids[r]) < slots]
         got, want = out.cpu(), ref_out
@@ -136,7 +196,7 @@ def test_mamba2_decode_lowprec_teacher_forced(window, ckpt, read):
                             f"step {step}: {name} of non-flushing slot {s} changed"
             else:  # ring tensors
                 rel = ((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
-                assert rel < 1e-6, f"step {step}: {name} rel {rel:.2e}"
+                assert rel < 1e-4, f"step {step}: {name} rel {rel:.2e}"  # fp16 u: an ulp at a boundary
         if ckpt == "fp32" and read is not None:
             for s in flushed:
                 ref = quant.FP8E4M3(block_k=128) if read == "fp8" else quant.FORMATS[read]

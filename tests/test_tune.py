@@ -381,6 +381,9 @@ def _cli_error(capsys, argv):
     (["--model", "nemotron-super", "--window", "1"], "--window must be in 2..32"),
     (["--model", "nemotron-super", "--replays", "0"], "--replays must be >= 1"),
     (["--model", "nemotron-super", "--workers", "0"], "--workers must be >= 1"),
+    (["--model", "nemotron-super", "--read-copies", "fp4"], "--read-copies: unknown read copy 'fp4'"),
+    (["--model", "nemotron-super", "--read-copies", "fp8", "--modes", "conventional"],
+     "--read-copies: tunes the standard mode"),
 ])
 def test_cli_argument_errors(capsys, argv, message):
     assert message in _cli_error(capsys, argv)
@@ -399,6 +402,29 @@ def test_cli_targets():
     assert [(t.model, t.mode, t.window) for t in args.targets] == [
         (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "conventional", 1),
         (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "standard", 16)]
+
+
+def test_cli_read_copy_targets_are_the_kernels_decode_builds():
+    """--read-copies adds standard-mode targets whose shape, default config and candidates are
+    those of a cache with that read copy (GDN: keeping v and beta, re-deriving at a flush)."""
+    args = tune.parse_args(["--model", "nemotron-super,qwen3.5-122b", "--modes", "standard",
+                            "--read-copies", "fp8,nvfp4", "--batch", "256"])
+    extra = [t for t in args.targets if t.read_copy]
+    assert [t.label for t in extra] == [f"{m} standard L16 read {r} bf16" for m in ("nemotron-super", "qwen3.5-122b")
+                                        for r in ("fp8", "nvfp4")]
+    for t in extra:
+        cache_cls = Mamba2Cache if t.model.layer == "mamba2" else GDNCache
+        dims = ((t.model.nheads, t.model.headdim, t.model.dstate, t.model.ngroups))
+        cache = cache_cls(1, *dims, window=16, device="meta", read_copy=t.read_copy)
+        build = kernels_host._mamba2_cache_shape if t.model.layer == "mamba2" else kernels_host._gdn_cache_shape
+        args_ = (torch.bfloat16, True, False, True, True) if t.model.layer == "mamba2" else (
+            torch.bfloat16, torch.float32, torch.float32, None)
+        assert t.shape() == build(cache, *args_), t.label
+        default = t.default_config(256)
+        assert t.check(default) is None and default in t.candidates()
+        if t.read_copy == "nvfp4":
+            assert default.rows_per_cta == t.model.headdim  # a CTA per head writes the whole-state scale
+        assert t.ideal_bytes(256) < _target(t.model, "standard", "bf16").ideal_bytes(256)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")

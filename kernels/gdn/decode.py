@@ -46,12 +46,14 @@ from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from ..common import (launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, start_tile_loads,
-                      warp_reduce_many)
+from ..common import (issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit,
+                      start_tile_loads, warp_reduce_many)
 from ..config_space import config_space
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, encode_store, load_scale, smem_scale, sr_write_key,
+                        stage_scales, tile_state_scale)
 from .common import gdn_gates, normalize_qk
 
 
@@ -73,6 +75,13 @@ class GDNShape:
     scale: float = 0.0  # q scale; 0 means head_k_dim ** -0.5
     keep_v_beta: bool = False
     pad_slot_id: int = -1
+    checkpoint_format: str = "fp32"  # the recurrence checkpoint; low precision is written with SR
+    read_copy: Optional[str] = None  # the read copy of non-flush steps (RTN), None: the checkpoint
+    rederive: bool = False  # a flush re-derives the corrections from the checkpoint (Algorithm 6)
+
+    @property
+    def copies(self) -> StateCopies:
+        return StateCopies(self.checkpoint_format, self.read_copy, self.head_k_dim, self.window)
 
     @property
     def q_scale(self) -> float:
@@ -87,7 +96,7 @@ class GDNShape:
         return (self.num_v_heads, self.head_v_dim, self.head_k_dim, self.num_k_heads, self.window,
                 self.capacity, self.act_dtype.__name__, self.gate_dtype.__name__,
                 self.A_log_dtype.__name__, self.dt_bias_dtype.__name__, float(self.scale),
-                self.keep_v_beta, self.pad_slot_id)
+                self.keep_v_beta, self.pad_slot_id, self.checkpoint_format, self.read_copy, self.rederive)
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,11 @@ class GDNConfig:
     def smem_bytes(self, shape: GDNShape) -> int:
         """The state tile, the ring keys and per-position weights, mbarriers, alignment slack."""
         K, cap = shape.head_k_dim, shape.capacity
-        return self.rows_per_cta * K * 4 + 8 * cap + cap * K * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+        rederive = 0
+        if shape.rederive:  # the keys' Gram matrix; S_ckpt k_p and re-derived u per warp row
+            rederive = 4 * cap * cap + 3 * 4 * cap * self.rows_per_cta + 48
+        return (self.rows_per_cta * K * 4 + 8 * cap + cap * K * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
+                + shape.copies.smem_bytes(self.rows_per_cta, self.num_warps) + rederive)
 
     def key(self):
         return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
@@ -135,6 +148,11 @@ class GDNConfig:
             return f"rows per warp {rw}: must be a power of two up to 16"
         if 2 * self.records_per_warp(shape.capacity) > 32:
             return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
+        reason = shape.copies.check(shape.k_vec, self.rows_per_cta, shape.head_v_dim)
+        if reason is not None:
+            return reason
+        if shape.rederive and not (shape.keep_v_beta and shape.window > 1):
+            return "re-deriving corrections at a flush needs the records' v and beta (keep_v_beta, window > 1)"
         return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
     def check_tiles(self, shape: GDNShape) -> Optional[str]:
@@ -151,6 +169,121 @@ class GDNConfig:
         if shape.capacity > 32:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
         return None
+
+
+@cute.jit
+def ring_sums(sCoef: cute.Tensor, rU: cute.Tensor, origin: Int32, h: Int32, cap: cutlass.Constexpr[int]):
+    """This lane's row's ring terms sum_j w_j (k_j . x) u_j[i], x = k and q, over the h committed
+    records (``sCoef`` per position, ``rU`` the row's u per position)."""
+    ring_k = Float32(0.0)
+    ring_q = Float32(0.0)
+    for p in cutlass.range_constexpr(cap):
+        # select, not a zero weight: a stale position may hold any value.
+        live_p = (p - origin + cap) % cap < h
+        ring_k = ring_k + cutlass.select_(live_p, sCoef[0, p] * rU[p], Float32(0.0))
+        ring_q = ring_q + cutlass.select_(live_p, sCoef[1, p] * rU[p], Float32(0.0))
+    return ring_k, ring_q
+
+
+@cute.jit
+def _key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, warps: cutlass.Constexpr[int], cap: cutlass.Constexpr[int],
+              vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
+    """sGram[p, q] = k_p . k_q for every pair of ring positions, 32 pairs per warp pass, split
+    over the CTA's warps."""
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    n_pairs = cap * cap
+    n_batch = (n_pairs + 31) // 32
+    for bb in cutlass.range_constexpr((n_batch + warps - 1) // warps):
+        b = bb * warps + warp
+        if b < n_batch:
+            rPart = cute.make_rmem_tensor((32,), Float32)
+            for t in cutlass.range_constexpr(32):
+                pair = cutlass.min(b * 32 + t, n_pairs - 1)
+                rKp = cute.make_rmem_tensor((vec,), act)
+                rKq = cute.make_rmem_tensor((vec,), act)
+                cute.autovec_copy(cute.local_tile(sKeys[pair // cap, None], (vec,), (lane,)), rKp)
+                cute.autovec_copy(cute.local_tile(sKeys[pair % cap, None], (vec,), (lane,)), rKq)
+                acc = Float32(0.0)
+                for e in cutlass.range_constexpr(vec):
+                    acc = acc + rKp[e].to(Float32) * rKq[e].to(Float32)
+                rPart[t] = acc
+            total = warp_reduce_many(rPart, 32)  # lane l: pair b * 32 + l
+            if b * 32 + lane < n_pairs:
+                sGram[(b * 32 + lane) // cap, (b * 32 + lane) % cap] = total
+
+
+@cute.jit
+def row_key_dots(rS: cute.Tensor, sKeys: cute.Tensor, sSk: cute.Tensor, r: Int32, cap: cutlass.Constexpr[int],
+                 vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
+    """sSk[p, r, warp] = S_ckpt[row r] . k_p for every position p (``rS``: the lane's slice of the
+    checkpoint row)."""
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    n_pos = pow2_at_least(cap)
+    rDots = cute.make_rmem_tensor((n_pos,), Float32)
+    rDots.fill(0.0)
+    for p in cutlass.range_constexpr(cap):
+        rKey = cute.make_rmem_tensor((vec,), act)
+        cute.autovec_copy(cute.local_tile(sKeys[p, None], (vec,), (lane,)), rKey)
+        for e in cutlass.range_constexpr(vec):
+            rDots[p] = rDots[p] + rS[e] * rKey[e].to(Float32)
+    s_k = warp_reduce_many(rDots, n_pos)  # lane l: position l >> (5 - log2 n_pos)
+    p_lane = lane >> (5 - (n_pos.bit_length() - 1))
+    if lane % (32 // n_pos) == 0 and p_lane < cap:
+        sSk[p_lane, r, warp] = s_k
+
+
+@cute.jit
+def rederive_corrections(sKeys: cute.Tensor, sGram: cute.Tensor, sSk: cute.Tensor,
+                         sUre: cute.Tensor, sV: cute.Tensor, mRingV: cute.Tensor, mRingBeta: cute.Tensor, rU: cute.Tensor, g_j: Float32,
+                         slot64: Int64, vhead: Int32, i_row: Int32, origin: Int32, h: Int32,
+                         rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int], cap: cutlass.Constexpr[int],
+                         vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
+    """A flush's corrections from the recurrence checkpoint (paper Algorithm 6): for the records
+    j = 0 .. h-1 in order, ``u_j = beta_j (v_j - alpha_j S_{j-1} k_j)`` with
+    ``alpha_j S_{j-1} k_j = e^{P_j} (S_ckpt k_j) + sum_{i<j} e^{P_j - P_i} (k_i . k_j) u_i`` (P the
+    prefix sums of g), replacing the cached ones in ``rU`` (this lane's row, by ring position), so
+    that read-copy rounding never enters the recurrence. ``sSk`` holds S_ckpt k_p of the warp's rows
+    (``row_key_dots``); every thread of the CTA calls it (the keys' Gram matrix is shared)."""
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    lr = lane % rows
+    # v of this lane's row at every position, all loads in flight at once, staged by position.
+    for p in cutlass.range_constexpr(cap):
+        sV[p, lr, warp] = mRingV[slot64, p, vhead, i_row].to(Float32)
+    _key_gram(sKeys, sGram, warps, cap, vec, act)
+    cute.arch.sync_threads()  # the Gram matrix of every warp, this warp's S_ckpt k_p
+
+    # Record scalars by record index, in every lane's registers: P_j (inclusive prefix of g), beta_j.
+    prefix = g_j
+    for t in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(prefix, 1 << t)
+        if lane >= (1 << t):
+            prefix = prefix + other
+    beta_lane = Float32(0.0)
+    if lane < h:
+        beta_lane = mRingBeta[slot64, (origin + lane) % cap, vhead]
+    rPre = cute.make_rmem_tensor((cap,), Float32)
+    rBeta = cute.make_rmem_tensor((cap,), Float32)
+    for j in cutlass.range_constexpr(cap):
+        rPre[j] = cute.arch.shuffle_sync(prefix, j)
+        rBeta[j] = cute.arch.shuffle_sync(beta_lane, j)
+
+    # Forward substitution along the records for this lane's row.
+    rUrec = cute.make_rmem_tensor((cap,), Float32)
+    rUrec.fill(0.0)
+    for j in cutlass.range_constexpr(cap):
+        if j < h:
+            p = (origin + j) % cap
+            acc = cute.math.exp(rPre[j], fastmath=False) * sSk[p, lr, warp]
+            for i in cutlass.range_constexpr(j):
+                acc = acc + cute.math.exp(rPre[j] - rPre[i], fastmath=False) * sGram[(origin + i) % cap, p] * rUrec[i]
+            rUrec[j] = rBeta[j] * (sV[p, lr, warp] - acc)
+            sUre[j, lr, warp] = rUrec[j]
+    cute.arch.sync_warp()
+    for p in cutlass.range_constexpr(cap):
+        rU[p] = sUre[(p - origin + cap) % cap, lr, warp]
 
 
 class GDNDecode:
@@ -187,26 +320,42 @@ class GDNDecode:
         mCursor: Optional[cute.Tensor],
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
-        HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
-        # The checkpoint as (slots * HV * V, K) rows so a TMA box is one warp's state rows.
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator,
-            cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
-        )
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
+        HV, V = s.num_v_heads, s.head_v_dim
+        copies = s.copies
+        # A copy as (slots * HV * V, cols) rows so a TMA box is one warp's state rows: every step
+        # loads the read copy (else the checkpoint) at entry; a flush the checkpoint apart.
+        entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
+        tma_entry, mEntryTma = make_row_tma(cute.make_tensor(entry.iterator, cute.make_layout(
+            (entry.shape[0] * (HV * V), copies.entry.cols), stride=(copies.entry.cols, 1))), c.rows_per_warp,
+            copies.entry.cols)
+        tma_ckpt, mCkptTma = None, None
+        if cutlass.const_expr(copies.separate):
+            cols = copies.checkpoint.cols
+            tma_ckpt, mCkptTma = make_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
+                (mCheckpoint.shape[0] * (HV * V), cols), stride=(cols, 1))), c.rows_per_warp, cols)
         launch_tiles(self.kernel(
-            tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals,
+            tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
+            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals, mCheckpointScale,
+            mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
     def kernel(
         self,
-        tma_atom: cute.CopyAtom,
-        mRowsTma: cute.Tensor,
+        tma_entry: cute.CopyAtom,
+        mEntryTma: cute.Tensor,
+        tma_ckpt: Optional[cute.CopyAtom],
+        mCkptTma: Optional[cute.Tensor],
         mCheckpoint: cute.Tensor,
         mQ: cute.Tensor,
         mK: cute.Tensor,
@@ -225,6 +374,13 @@ class GDNDecode:
         mCursor: Optional[cute.Tensor],
         mOrigin: Optional[cute.Tensor],
         mArrivals: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
     ):
         # Warp-centric, as the Mamba-2 kernel: lane j owns record j's scalars (g_j, its weight
         # w_j); lane r owns state row i_warp + r's scalars (v, u, the ring sums, the output);
@@ -240,6 +396,12 @@ class GDNDecode:
         RPW = c.records_per_warp(cap)  # ring positions whose keys a warp loads
         rep = HV // H
         act = s.act_dtype
+        copies = s.copies
+        ckpt_fmt, entry_fmt = copies.checkpoint, copies.entry
+        counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
+        plain = not (ckpt_fmt.low_precision or copies.separate)  # one fp32 checkpoint, stored as folded
+        rederive = s.rederive and L > 1
+        light = copies.light  # no fp32 tile: a flush reads checkpoint rows and folds them in registers
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, vhead, row = cute.arch.block_idx()
@@ -255,16 +417,64 @@ class GDNDecode:
             i_warp = ptile * R + warp * RW  # first state row of this warp
 
             smem = SmemAllocator()
-            sState = smem.allocate_tensor(
-                Float32, cute.make_layout((RW, K, W), stride=(K, 1, RW * K)), byte_alignment=128
-            )
+            sState = None
+            if cutlass.const_expr(not light):
+                sState = smem.allocate_tensor(
+                    Float32, cute.make_layout((RW, K, W), stride=(K, 1, RW * K)), byte_alignment=128
+                )
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
             # Per record j: w_j (k_j . k) and w_j (k_j . q), shared by the CTA's warps.
             sCoef = smem.allocate_tensor(Float32, cute.make_layout((2, cap), stride=(1, 2)), byte_alignment=16)
             # The keys at every ring position, staged once so a flush folds without another load.
             sKeys = smem.allocate_tensor(act, cute.make_layout((cap, K), stride=(K, 1)), byte_alignment=16)
+            # Low-precision copies land in their own tiles (storage dtype) and are decoded per
+            # row; an fp32 checkpoint lands in the work tile itself.
+            sEntry = sState
+            if cutlass.const_expr(entry_fmt.low_precision):
+                sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
+                    (RW, entry_fmt.cols, W), stride=(entry_fmt.cols, 1, RW * entry_fmt.cols)), byte_alignment=128)
+            sCkpt = sEntry  # where a flush finds the checkpoint
+            mbarCkpt = mbar
+            if cutlass.const_expr(copies.separate and not light):
+                mbarCkpt = smem.allocate_array(Int64, W, byte_alignment=8)
+                sCkpt = sState
+                if cutlass.const_expr(ckpt_fmt.low_precision):
+                    sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
+                        (RW, ckpt_fmt.cols, W), stride=(ckpt_fmt.cols, 1, RW * ckpt_fmt.cols)), byte_alignment=128)
+                if tidx == 0:
+                    for st in cutlass.range_constexpr(W):
+                        cute.arch.mbarrier_init(mbarCkpt + st, 1)
+            sAmax = None
+            if cutlass.const_expr(copies.whole_state):
+                sAmax = smem.allocate_tensor(Float32, cute.make_layout(W), byte_alignment=16)
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, RW * K * 4)
+            start_tile_loads(tma_entry, mEntryTma, sEntry, mbar, first_box, W, RW * entry_fmt.row_bytes)
+            # The entry rows' scales (fp8 / nvfp4), staged per warp at entry.
+            sEntryScale = None
+            entry_state_scale = Float32(1.0)
+            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+                sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
+                    (RW, entry_fmt.scales_per_row, W), stride=(entry_fmt.scales_per_row, 1, RW * entry_fmt.scales_per_row)),
+                    byte_alignment=16)
+                mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
+                stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, vhead, i_warp)
+                if cutlass.const_expr(entry_fmt.has_state_scale):
+                    mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
+                    entry_state_scale = mEntryState[slot64, vhead]
+            sr_key = Uint32(0)
+            sr_count = Int32(0)
+            if cutlass.const_expr(copies.stochastic):
+                sr_count = mSrCounter[slot]
+                sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
+            sGram, sSk, sUre, sV = None, None, None, None
+            if cutlass.const_expr(rederive):
+                sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
+                sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, W), stride=(RW, 1, cap * RW)),
+                                           byte_alignment=16)
+                sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, W), stride=(RW, 1, cap * RW)),
+                                            byte_alignment=16)
+                sV = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, W), stride=(RW, 1, cap * RW)),
+                                          byte_alignment=16)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is
@@ -279,6 +489,10 @@ class GDNDecode:
                 g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
+            if cutlass.const_expr(copies.separate and not light):
+                if flush:  # the entry tile holds the read copy; the recurrence needs the checkpoint
+                    if warp == 0:
+                        issue_tile_loads(tma_ckpt, mCkptTma, sCkpt, mbarCkpt, first_box, W, RW * ckpt_fmt.row_bytes)
 
             # Lane r (mod RW) owns row i = i_warp + r: its v and u_p[i] at every position p.
             lr = lane % RW
@@ -364,27 +578,69 @@ class GDNDecode:
                                 mRingBeta[slot64, pos_h, vhead] = beta
                 cute.arch.sync_threads()
 
-            # The ring sums of this lane's row: sum_j w_j (k_j . x) u_j[i] for x = k, q.
+            # The ring sums of this lane's row: sum_j w_j (k_j . x) u_j[i] for x = k, q (after the
+            # corrections are re-derived when a flush does that).
             ring_k = Float32(0.0)
             ring_q = Float32(0.0)
-            if cutlass.const_expr(L > 1):
-                for p in cutlass.range_constexpr(cap):
-                    # select, not a zero weight: a stale position may hold any value.
-                    live_p = (p - origin + cap) % cap < h
-                    ring_k = ring_k + cutlass.select_(live_p, sCoef[0, p] * rU[p], Float32(0.0))
-                    ring_q = ring_q + cutlass.select_(live_p, sCoef[1, p] * rU[p], Float32(0.0))
+            if cutlass.const_expr(L > 1 and not rederive):
+                ring_k, ring_q = ring_sums(sCoef, rU, origin, h, cap)
 
-            # One pass over the checkpoint tile: S_ckpt k and S_ckpt q for each of the warp's rows.
             cute.arch.mbarrier_wait(mbar + warp, 0)
+            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+                cute.arch.sync_warp()  # the staged scales
+            if flush:
+                if cutlass.const_expr(copies.separate and not light):
+                    cute.arch.mbarrier_wait(mbarCkpt + warp, 0)
+                if cutlass.const_expr(ckpt_fmt.low_precision and not light):
+                    # The recurrence starts from the checkpoint decoded to fp32 in the work tile.
+                    for r in cutlass.range(RW, unroll=2):
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        scale = Float32(1.0)
+                        if cutlass.const_expr(copies.separate):
+                            scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64, vhead,
+                                               i_warp + r, lane * vec)
+                        else:
+                            scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
+                        decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),), (lane,)),
+                                     scale, rS)
+                        cute.autovec_copy(rS, cute.local_tile(sState[r, None, warp], (vec,), (lane,)))
+                if cutlass.const_expr(rederive and not light):
+                    for r in cutlass.range(RW, unroll=1):
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                        row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+
+            # One pass over the state tile: S k and S q for each of the warp's rows (the read copy
+            # on a non-flush step, the checkpoint on a flush; with a light tile a flush takes the
+            # checkpoint rows here, and S_ckpt k_p for a re-derivation).
             rRows = cute.make_rmem_tensor((2 * RW,), Float32)
             rRows.fill(0.0)
             if lane < KL:
                 for r in cutlass.range_constexpr(RW):
                     rS = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                    if cutlass.const_expr(entry_fmt.low_precision):
+                        if flush:
+                            if cutlass.const_expr(light):
+                                checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
+                                               sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
+                                if cutlass.const_expr(rederive):
+                                    row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+                            else:
+                                cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                        else:
+                            scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
+                            decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
+                                                                    (lane,)), scale, rS)
+                    else:
+                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                     for e in cutlass.range_constexpr(vec):
                         rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
                         rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+            if cutlass.const_expr(rederive):
+                if flush:
+                    rederive_corrections(sKeys, sGram, sSk, sUre, sV, mRingV, mRingBeta, rU, g_j, slot64, vhead,
+                                         i_row, origin, h, RW, W, cap, vec, act)
+                ring_k, ring_q = ring_sums(sCoef, rU, origin, h, cap)
             rows = warp_reduce_many(rRows, 2 * RW)
             shift = 5 - (2 * RW).bit_length() + 1
             s_k = cute.arch.shuffle_sync(rows, (2 * lr) << shift)
@@ -399,64 +655,125 @@ class GDNDecode:
                         if cutlass.const_expr(s.keep_v_beta):
                             mRingV[slot64, pos_h, vhead, i_row] = v_raw
 
-            if flush:
-                # Fold in place in shared memory, JC items per pass (their keys in registers),
-                # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j
-                # over this token (item 0) and the ring positions (items 1..cap; zero weight where
-                # a position holds no committed record). Keys come from sKeys and u from
-                # registers: no load waits once the tile is in.
-                n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
-                n_pass = (n_items + JC - 1) // JC
-                for jc in cutlass.range_constexpr(n_pass):
-                    items = min(JC, n_items - jc * JC)
-                    rKc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
-                    rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(items):
-                        item = jc * JC + jj
-                        if cutlass.const_expr(item == 0):
-                            for e in cutlass.range_constexpr(vec):
-                                rKc[jj, e] = rK[e]
-                            rCoef[jj] = u  # the token's own weight is exp(0)
-                        else:
-                            p_item = item - 1
-                            j_item = (p_item - origin + cap) % cap
-                            w = cute.arch.shuffle_sync(w_j, j_item)
-                            if lane < KL:
-                                rKs = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sKeys[p_item, None], (vec,), (lane,)), rKs)
-                                for e in cutlass.range_constexpr(vec):
-                                    rKc[jj, e] = rKs[e].to(Float32)
-                            rCoef[jj] = cutlass.select_(j_item < h, w * rU[p_item], Float32(0.0))
-                    for r in cutlass.range(RW, unroll=2):
+            if cutlass.const_expr(light):
+                if flush:
+                    # Row by row in registers from the checkpoint: S = gamma S + u k + sum_j
+                    # (w_j u_j[i]) k_j, then every copy of the row.
+                    rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
+                    for p in cutlass.range_constexpr(cap):
+                        j_p = (p - origin + cap) % cap
+                        w_p = cute.arch.shuffle_sync(w_j, j_p)
+                        rCoefs[p] = cutlass.select_(j_p < h, w_p * rU[p], Float32(0.0))
+                    for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
+                        row_i = i_warp + r
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
-                        if lane < KL:
-                            cute.autovec_copy(tS, rS)
-                        if cutlass.const_expr(jc == 0):
-                            for e in cutlass.range_constexpr(vec):
-                                rS[e] = gamma * rS[e]
+                        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
+                                       sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
+                        coef = cute.arch.shuffle_sync(u, r)
+                        for e in cutlass.range_constexpr(vec):
+                            rS[e] = gamma * rS[e] + coef * rK[e]
+                        if cutlass.const_expr(L > 1):
+                            for p in cutlass.range_constexpr(cap):
+                                coef_p = cute.arch.shuffle_sync(rCoefs[p], r)
+                                rKs = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sKeys[p, None], (vec,), (lane,)), rKs)
+                                for e in cutlass.range_constexpr(vec):
+                                    rS[e] = rS[e] + coef_p * rKs[e].to(Float32)
+                        first = (vhead * V + row_i) * K + lane * vec
+                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
+                            mCheckpoint[slot64, vhead, row_i, None], (ckpt_fmt.per_lane(vec),), (lane,)),
+                            mCheckpointScale, slot64, vhead, row_i, lane * vec, Float32(1.0), sr_key, first)
+                        if cutlass.const_expr(copies.separate):
+                            encode_store(copies.read, False, rS, cute.local_tile(
+                                mRead[slot64, vhead, row_i, None], (copies.read.per_lane(vec),), (lane,)),
+                                mReadScale, slot64, vhead, row_i, lane * vec, Float32(1.0), sr_key, first)
+            else:
+                if flush:
+                    # Fold in place in shared memory, JC items per pass (their keys in registers),
+                    # storing to the checkpoint on the last pass: S = gamma S + sum_j (w_j u_j[i]) k_j
+                    # over this token (item 0) and the ring positions (items 1..cap; zero weight where
+                    # a position holds no committed record). Keys come from sKeys and u from
+                    # registers: no load waits once the tile is in.
+                    n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
+                    n_pass = (n_items + JC - 1) // JC
+                    for jc in cutlass.range_constexpr(n_pass):
+                        items = min(JC, n_items - jc * JC)
+                        rKc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
+                        rCoef = cute.make_rmem_tensor((JC,), Float32)
                         for jj in cutlass.range_constexpr(items):
-                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
-                            for e in cutlass.range_constexpr(vec):
-                                rS[e] = rS[e] + coef * rKc[jj, e]
-                        if lane < KL:
-                            if cutlass.const_expr(jc == n_pass - 1):
-                                cute.autovec_copy(rS, cute.local_tile(
-                                    mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
+                            item = jc * JC + jj
+                            if cutlass.const_expr(item == 0):
+                                for e in cutlass.range_constexpr(vec):
+                                    rKc[jj, e] = rK[e]
+                                rCoef[jj] = u  # the token's own weight is exp(0)
                             else:
-                                cute.autovec_copy(rS, tS)
+                                p_item = item - 1
+                                j_item = (p_item - origin + cap) % cap
+                                w = cute.arch.shuffle_sync(w_j, j_item)
+                                if lane < KL:
+                                    rKs = cute.make_rmem_tensor((vec,), act)
+                                    cute.autovec_copy(cute.local_tile(sKeys[p_item, None], (vec,), (lane,)), rKs)
+                                    for e in cutlass.range_constexpr(vec):
+                                        rKc[jj, e] = rKs[e].to(Float32)
+                                rCoef[jj] = cutlass.select_(j_item < h, w * rU[p_item], Float32(0.0))
+                        for r in cutlass.range(RW, unroll=2):
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
+                            if lane < KL:
+                                cute.autovec_copy(tS, rS)
+                            if cutlass.const_expr(jc == 0):
+                                for e in cutlass.range_constexpr(vec):
+                                    rS[e] = gamma * rS[e]
+                            for jj in cutlass.range_constexpr(items):
+                                coef = cute.arch.shuffle_sync(rCoef[jj], r)
+                                for e in cutlass.range_constexpr(vec):
+                                    rS[e] = rS[e] + coef * rKc[jj, e]
+                            if lane < KL:
+                                if cutlass.const_expr(jc == n_pass - 1 and plain):
+                                    cute.autovec_copy(rS, cute.local_tile(
+                                        mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
+                                else:
+                                    cute.autovec_copy(rS, tS)
+                    if cutlass.const_expr(not plain):
+                        # One fp32 state, cast independently into each copy: SR into a low-precision
+                        # checkpoint, RTN into the read copy.
+                        state_scale = Float32(1.0)
+                        if cutlass.const_expr(copies.whole_state):
+                            state_scale = tile_state_scale(sState, vec, True, sAmax)
+                            if tidx == 0:
+                                if cutlass.const_expr(ckpt_fmt.has_state_scale):
+                                    mCheckpointStateScale[slot64, vhead] = state_scale
+                                if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
+                                    mReadStateScale[slot64, vhead] = state_scale
+                        for r in cutlass.range(RW, unroll=2):
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                            row_i = i_warp + r
+                            first = (vhead * V + row_i) * K + lane * vec
+                            encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
+                                mCheckpoint[slot64, vhead, row_i, None], (ckpt_fmt.per_lane(vec),), (lane,)),
+                                mCheckpointScale, slot64, vhead, row_i, lane * vec, state_scale, sr_key, first)
+                            if cutlass.const_expr(copies.separate):
+                                encode_store(copies.read, False, rS, cute.local_tile(
+                                    mRead[slot64, vhead, row_i, None], (copies.read.per_lane(vec),), (lane,)),
+                                    mReadScale, slot64, vhead, row_i, lane * vec, state_scale, sr_key, first)
 
-            if cutlass.const_expr(L > 1):
-                # The last CTA of this row to finish advances the cursor: all its warps have used
-                # h by the barrier; one arrival per CTA keeps the counter's traffic low.
+            if cutlass.const_expr(counted):
+                # The last CTA of this row to finish advances the cursor (and the SR write
+                # counter): all its warps have used h by the barrier; one arrival per CTA keeps the
+                # counter's traffic low.
                 cute.arch.sync_threads()
                 if tidx == 0:
                     done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
                     if done == HV * (V // R) - 1:
-                        next_h = h + 1
-                        if flush:
-                            next_h = Int32(0)
-                        mCursor[slot] = next_h
+                        if cutlass.const_expr(L > 1):
+                            next_h = h + 1
+                            if flush:
+                                next_h = Int32(0)
+                            mCursor[slot] = next_h
+                        if cutlass.const_expr(copies.stochastic):
+                            if flush:
+                                mSrCounter[slot] = sr_count + 1
                         mArrivals[slot] = Int32(0)
 
 
@@ -483,8 +800,20 @@ def _fake_inputs(shape: GDNShape):
 
     replay = shape.window > 1
     keep = replay and shape.keep_v_beta
+    copies = shape.copies
+
+    def copy_tensors(fmt):
+        """Data, scale, state scale of a copy in ``fmt`` (None where the format has none)."""
+        if fmt is None:
+            return None, None, None
+        return (compact(fmt.storage, (slots, HV, V, fmt.cols)),
+                compact(fmt.scale_dtype, (slots, HV, V, fmt.scales_per_row), align=4) if fmt.scale_dtype else None,
+                compact(Float32, (slots, HV), align=4) if fmt.has_state_scale else None)
+
+    ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
+    read, read_scale, read_state_scale = copy_tensors(copies.read)
     return dict(
-        mCheckpoint=compact(Float32, (slots, HV, V, K)),
+        mCheckpoint=ckpt,
         mQ=rows(act, (H, K)),
         mK=rows(act, (H, K)),
         mV=rows(act, (HV, V)),
@@ -501,7 +830,14 @@ def _fake_inputs(shape: GDNShape):
         mRingBeta=compact(Float32, (slots, cap, HV)) if keep else None,
         mCursor=compact(Int32, (slots,), align=4) if replay else None,
         mOrigin=compact(Int32, (slots,), align=4) if replay else None,
-        mArrivals=compact(Int32, (slots,), align=4) if replay else None,
+        mArrivals=compact(Int32, (slots,), align=4) if replay or copies.stochastic else None,
+        mCheckpointScale=ckpt_scale,
+        mCheckpointStateScale=ckpt_state_scale,
+        mRead=read,
+        mReadScale=read_scale,
+        mReadStateScale=read_state_scale,
+        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
+        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
     )
 
 

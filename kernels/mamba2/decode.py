@@ -48,8 +48,8 @@ from cutlass.memory import SmemAllocator
 from ..common import (issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus,
                       start_tile_loads, warp_reduce_many, warp_sum)
 from ..config_space import config_space
-from ..state_io import (StateCopies, decode_slice, encode_store, load_scale, smem_scale, sr_write_key, stage_scales,
-                        tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, encode_store, load_scale, smem_scale, sr_write_key,
+                        stage_scales, tile_state_scale)
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,7 @@ class Mamba2Decode:
         copies = s.copies
         ckpt_fmt, entry_fmt = copies.checkpoint, copies.entry
         counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
+        light = copies.light  # no fp32 tile: a flush folds row by row in registers
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
@@ -269,9 +270,11 @@ class Mamba2Decode:
             p_warp = ptile * R + warp * RW
 
             smem = SmemAllocator()
-            sState = smem.allocate_tensor(
-                Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
-            )
+            sState = None
+            if cutlass.const_expr(not light):
+                sState = smem.allocate_tensor(
+                    Float32, cute.make_layout((RW, N, W), stride=(N, 1, RW * N)), byte_alignment=128
+                )
             mbar = smem.allocate_array(Int64, W, byte_alignment=8)
             # Per ring position p: w_j (B_p . C) of its record, and B_p staged for the fold.
             sBC = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)
@@ -284,7 +287,7 @@ class Mamba2Decode:
                     (RW, entry_fmt.cols, W), stride=(entry_fmt.cols, 1, RW * entry_fmt.cols)), byte_alignment=128)
             sCkpt = sEntry  # where a flush finds the checkpoint
             mbarCkpt = mbar
-            if cutlass.const_expr(copies.separate):
+            if cutlass.const_expr(copies.separate and not light):
                 mbarCkpt = smem.allocate_array(Int64, W, byte_alignment=8)
                 sCkpt = sState
                 if cutlass.const_expr(ckpt_fmt.low_precision):
@@ -329,7 +332,7 @@ class Mamba2Decode:
                 dt_phys = mRingDt[slot64, lane % cap, head]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
-            if cutlass.const_expr(copies.separate):
+            if cutlass.const_expr(copies.separate and not light):
                 if flush:  # the entry tile holds the read copy; the recurrence needs the checkpoint
                     if warp == 0:
                         issue_tile_loads(tma_ckpt, mCkptTma, sCkpt, mbarCkpt, first_box, W, RW * ckpt_fmt.row_bytes)
@@ -422,100 +425,151 @@ class Mamba2Decode:
             cute.arch.mbarrier_wait(mbar + warp, 0)
             if cutlass.const_expr(entry_fmt.scale_dtype is not None):
                 cute.arch.sync_warp()  # the staged scales
-            if cutlass.const_expr(copies.separate):
+            if cutlass.const_expr(copies.separate and not light):
                 if flush:
                     cute.arch.mbarrier_wait(mbarCkpt + warp, 0)
-            if flush:
-                # Fold in place in shared memory, JC items per pass (their B in registers):
-                # S = gamma S + sum_j (w_j x_j[p]) B_j over this token (item 0) and the ring
-                # positions (items 1..cap; zero weight where a position holds no committed
-                # record). B comes from sB and x from registers: no load waits after the tile.
-                n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
-                n_pass = (n_items + JC - 1) // JC
-                for jc in cutlass.range_constexpr(n_pass):
-                    items = min(JC, n_items - jc * JC)
-                    rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
-                    rCoef = cute.make_rmem_tensor((JC,), Float32)
-                    for jj in cutlass.range_constexpr(items):
-                        item = jc * JC + jj
-                        if cutlass.const_expr(item == 0):
-                            for v in cutlass.range_constexpr(vec):
-                                rBc[jj, v] = rBa[v].to(Float32)
-                            rCoef[jj] = dt_cur * x_cur  # this token's weight: dt exp(0)
-                        else:
-                            p_item = item - 1
-                            j_item = (p_item - origin + cap) % cap
-                            w = cute.arch.shuffle_sync(w_j, j_item)
-                            rBs = cute.make_rmem_tensor((vec,), act)
-                            cute.autovec_copy(cute.local_tile(sB[p_item, None], (vec,), (lane,)), rBs)
-                            for v in cutlass.range_constexpr(vec):
-                                rBc[jj, v] = rBs[v].to(Float32)
-                            rCoef[jj] = cutlass.select_(j_item < h, w * rX[p_item], Float32(0.0))
-                    for r in cutlass.range(RW, unroll=2):
-                        tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
-                        rS = cute.make_rmem_tensor((vec,), Float32)
-                        if cutlass.const_expr(jc == 0 and ckpt_fmt.low_precision):
-                            # The recurrence starts from the checkpoint decoded to fp32.
-                            scale = Float32(1.0)
-                            if cutlass.const_expr(copies.separate):
-                                scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64,
-                                                   head, p_warp + r, lane * vec)
-                            else:
-                                scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec,
-                                                   entry_state_scale)
-                            decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),),
-                                                                   (lane,)), scale, rS)
-                        else:
-                            cute.autovec_copy(tS, rS)
-                        if cutlass.const_expr(jc == 0):
-                            for v in cutlass.range_constexpr(vec):
-                                rS[v] = gamma * rS[v]
-                        for jj in cutlass.range_constexpr(items):
-                            coef = cute.arch.shuffle_sync(rCoef[jj], r)
-                            for v in cutlass.range_constexpr(vec):
-                                rS[v] = rS[v] + coef * rBc[jj, v]
-                        cute.autovec_copy(rS, tS)
-                cute.arch.sync_warp()
-            state_scale = Float32(1.0)  # nvfp4's G of the folded state
-            if cutlass.const_expr(copies.whole_state):
+            if cutlass.const_expr(light):
+                gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
+                y_row = Float32(0.0)  # lane r: S[p_r] . C
                 if flush:
-                    state_scale = tile_state_scale(sState, vec, True, sAmax)
-                    if tidx == 0:
-                        if cutlass.const_expr(ckpt_fmt.has_state_scale):
-                            mCheckpointStateScale[slot64, head] = state_scale
-                        if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
-                            mReadStateScale[slot64, head] = state_scale
-            # Output: flush rows read the folded state (and write it into every copy); others
-            # gamma (S_ckpt . C) + sum_j coef_j x_j from the entry tile.
-            gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
-            y_row = Float32(0.0)  # lane r: S[p_r] . C
-            for r in cutlass.range(RW, unroll=2):
-                rS = cute.make_rmem_tensor((vec,), Float32)
-                if cutlass.const_expr(entry_fmt.low_precision):
-                    if flush:
-                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                    else:
+                    # Row by row in registers: S = gamma S + sum over this token and the ring of
+                    # (w_j x_j[p]) B_j, from the checkpoint (entry tile, or global memory next to
+                    # a read copy), then y and every copy of the row.
+                    rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
+                    for p in cutlass.range_constexpr(cap):
+                        j_p = (p - origin + cap) % cap
+                        w_p = cute.arch.shuffle_sync(w_j, j_p)
+                        rCoefs[p] = cutlass.select_(j_p < h, w_p * rX[p], Float32(0.0))
+                    own = dt_cur * x_cur  # this token's weight: dt exp(0)
+                    for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
+                        row_p = p_warp + r
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
+                                       sEntryScale, entry_state_scale, slot64, head, p_warp, r, rS)
+                        coef = cute.arch.shuffle_sync(own, r)
+                        for v in cutlass.range_constexpr(vec):
+                            rS[v] = gamma * rS[v] + coef * rBa[v].to(Float32)
+                        if cutlass.const_expr(L > 1):
+                            for p in cutlass.range_constexpr(cap):
+                                coef_p = cute.arch.shuffle_sync(rCoefs[p], r)
+                                rBs = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sB[p, None], (vec,), (lane,)), rBs)
+                                for v in cutlass.range_constexpr(vec):
+                                    rS[v] = rS[v] + coef_p * rBs[v].to(Float32)
+                        first = (head * P + row_p) * N + lane * vec
+                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
+                            mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
+                            mCheckpointScale, slot64, head, row_p, lane * vec, Float32(1.0), sr_key, first)
+                        if cutlass.const_expr(copies.separate):
+                            encode_store(copies.read, False, rS, cute.local_tile(
+                                mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
+                                mReadScale, slot64, head, row_p, lane * vec, Float32(1.0), sr_key, first)
+                        part = Float32(0.0)
+                        for v in cutlass.range_constexpr(vec):
+                            part = part + rS[v] * rC[v]
+                        y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
+                else:
+                    for r in cutlass.range(RW, unroll=2):
+                        rS = cute.make_rmem_tensor((vec,), Float32)
                         scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
                         decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
                                                                 (lane,)), scale, rS)
-                else:
-                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                        part = Float32(0.0)
+                        for v in cutlass.range_constexpr(vec):
+                            part = part + rS[v] * rC[v]
+                        y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
+            if cutlass.const_expr(not light):
                 if flush:
-                    # One fp32 row, cast independently into each copy: SR into a low-precision
-                    # checkpoint, RTN into the read copy.
-                    row_p = p_warp + r
-                    first = (head * P + row_p) * N + lane * vec
-                    encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
-                        mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
-                        mCheckpointScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
-                    if cutlass.const_expr(copies.separate):
-                        encode_store(copies.read, False, rS, cute.local_tile(
-                            mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
-                            mReadScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
-                part = Float32(0.0)
-                for v in cutlass.range_constexpr(vec):
-                    part = part + rS[v] * rC[v]
-                y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
+                    # Fold in place in shared memory, JC items per pass (their B in registers):
+                    # S = gamma S + sum_j (w_j x_j[p]) B_j over this token (item 0) and the ring
+                    # positions (items 1..cap; zero weight where a position holds no committed
+                    # record). B comes from sB and x from registers: no load waits after the tile.
+                    n_items = 1 if cutlass.const_expr(L == 1) else cap + 1
+                    n_pass = (n_items + JC - 1) // JC
+                    for jc in cutlass.range_constexpr(n_pass):
+                        items = min(JC, n_items - jc * JC)
+                        rBc = cute.make_rmem_tensor(cute.make_layout((JC, vec), stride=(vec, 1)), Float32)
+                        rCoef = cute.make_rmem_tensor((JC,), Float32)
+                        for jj in cutlass.range_constexpr(items):
+                            item = jc * JC + jj
+                            if cutlass.const_expr(item == 0):
+                                for v in cutlass.range_constexpr(vec):
+                                    rBc[jj, v] = rBa[v].to(Float32)
+                                rCoef[jj] = dt_cur * x_cur  # this token's weight: dt exp(0)
+                            else:
+                                p_item = item - 1
+                                j_item = (p_item - origin + cap) % cap
+                                w = cute.arch.shuffle_sync(w_j, j_item)
+                                rBs = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sB[p_item, None], (vec,), (lane,)), rBs)
+                                for v in cutlass.range_constexpr(vec):
+                                    rBc[jj, v] = rBs[v].to(Float32)
+                                rCoef[jj] = cutlass.select_(j_item < h, w * rX[p_item], Float32(0.0))
+                        for r in cutlass.range(RW, unroll=2):
+                            tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            if cutlass.const_expr(jc == 0 and ckpt_fmt.low_precision):
+                                # The recurrence starts from the checkpoint decoded to fp32.
+                                scale = Float32(1.0)
+                                if cutlass.const_expr(copies.separate):
+                                    scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64,
+                                                       head, p_warp + r, lane * vec)
+                                else:
+                                    scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec,
+                                                       entry_state_scale)
+                                decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),),
+                                                                       (lane,)), scale, rS)
+                            else:
+                                cute.autovec_copy(tS, rS)
+                            if cutlass.const_expr(jc == 0):
+                                for v in cutlass.range_constexpr(vec):
+                                    rS[v] = gamma * rS[v]
+                            for jj in cutlass.range_constexpr(items):
+                                coef = cute.arch.shuffle_sync(rCoef[jj], r)
+                                for v in cutlass.range_constexpr(vec):
+                                    rS[v] = rS[v] + coef * rBc[jj, v]
+                            cute.autovec_copy(rS, tS)
+                    cute.arch.sync_warp()
+                state_scale = Float32(1.0)  # nvfp4's G of the folded state
+                if cutlass.const_expr(copies.whole_state):
+                    if flush:
+                        state_scale = tile_state_scale(sState, vec, True, sAmax)
+                        if tidx == 0:
+                            if cutlass.const_expr(ckpt_fmt.has_state_scale):
+                                mCheckpointStateScale[slot64, head] = state_scale
+                            if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
+                                mReadStateScale[slot64, head] = state_scale
+                # Output: flush rows read the folded state (and write it into every copy); others
+                # gamma (S_ckpt . C) + sum_j coef_j x_j from the entry tile.
+                gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
+                y_row = Float32(0.0)  # lane r: S[p_r] . C
+                for r in cutlass.range(RW, unroll=2):
+                    rS = cute.make_rmem_tensor((vec,), Float32)
+                    if cutlass.const_expr(entry_fmt.low_precision):
+                        if flush:
+                            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                        else:
+                            scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
+                            decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
+                                                                    (lane,)), scale, rS)
+                    else:
+                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                    if flush:
+                        # One fp32 row, cast independently into each copy: SR into a low-precision
+                        # checkpoint, RTN into the read copy.
+                        row_p = p_warp + r
+                        first = (head * P + row_p) * N + lane * vec
+                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
+                            mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
+                            mCheckpointScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
+                        if cutlass.const_expr(copies.separate):
+                            encode_store(copies.read, False, rS, cute.local_tile(
+                                mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
+                                mReadScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
+                    part = Float32(0.0)
+                    for v in cutlass.range_constexpr(vec):
+                        part = part + rS[v] * rC[v]
+                    y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
             if lane < RW:
                 y = gamma_out * y_row + ring_term
                 if cutlass.const_expr(s.has_D):

@@ -397,7 +397,7 @@ def _commit(cache, slot_ids, num_accepted):
 
         commit_cache_(cache, slot_ids, num_accepted, num_drafts=T)
     elif b > 0:
-        _check_device(cache, device)
+        _check_device(cache, device, low_precision_kernel=True)  # moves cursors only: any state format
         from .kernels_host import commit_kernel
 
         commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin)
@@ -490,16 +490,13 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
         from .reference import gdn_decode_cache_
 
         return gdn_decode_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
-    _check_device(cache, device)
+    _check_device(cache, device, low_precision_kernel=True)
 
-    from .kernels_host import gdn_decode_kernel
+    from .kernels_host import checkpoint_arg, gdn_decode_kernel, state_copy_args
 
     kernel = gdn_decode_kernel(cache, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
-    ring = (cache.ring_u, cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta,
-            cache.cursor, cache.origin, cache.arrivals)
-    if cache.window == 1:
-        ring = (None,) * 8
-    kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, *ring)
+    kernel(checkpoint_arg(cache), q, k, v, a, b, A_log, dt_bias, slot_ids, out,
+           *_ring_args(cache, ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta")), *state_copy_args(cache))
     return out
 
 

@@ -151,14 +151,17 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
         ("mamba2_decode", 0, bucket))
 
 
-def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None):
+def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None, whole_head: bool = False):
     """Analytical default until the autotuner has measured (H200, scratch sweeps of this
     kernel): 16-row tiles at batch <= 16, where more CTAs per row hide latency; otherwise 64-row
     tiles with registers capped for 6 CTAs per SM (the most tiles in flight) for ReplaySSM, and
     32-row tiles over 2 warps for the conventional step. With `shape`, the first choice that
-    fits it (shared memory for large K)."""
+    fits it (shared memory for large K). ``whole_head``: a CTA per head (the writer of an nvfp4
+    copy needs the whole state's amax), 16 rows per warp."""
     from .kernels.gdn.decode import GDNConfig
 
+    if whole_head:
+        return GDNConfig(rows_per_cta=head_v_dim, num_warps=max(1, head_v_dim // 16))
     if batch <= 16:
         choices = [(16, 4, 0), (16, 2, 0)]
     elif window > 1:
@@ -174,12 +177,14 @@ def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None):
 
 
 def gdn_shape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity, act_dtype,
-              gate_dtype, A_log_dtype, dt_bias_dtype, scale, keep_v_beta, pad_slot_id):
+              gate_dtype, A_log_dtype, dt_bias_dtype, scale, keep_v_beta, pad_slot_id, checkpoint_format="fp32",
+              read_copy=None, rederive=False):
     from .kernels.gdn.decode import GDNShape
 
     return GDNShape(num_v_heads, head_v_dim, head_k_dim, num_k_heads, window, capacity,
                     cute_dtype(act_dtype), cute_dtype(gate_dtype), cute_dtype(A_log_dtype),
-                    cute_dtype(dt_bias_dtype), float(scale or 0.0), keep_v_beta, pad_slot_id)
+                    cute_dtype(dt_bias_dtype), float(scale or 0.0), keep_v_beta, pad_slot_id,
+                    checkpoint_format, read_copy, rederive)
 
 
 def compile_gdn(shape, config):
@@ -194,7 +199,12 @@ def _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, windo
     return gdn_shape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
                      cache.window if window is None else window,
                      cache.capacity if capacity is None else capacity, cache.dtype, gate_dtype,
-                     A_log_dtype, dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id)
+                     A_log_dtype, dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id,
+                     cache.checkpoint_format, cache.read_copy_format, _rederives(cache))
+
+
+def _rederives(cache) -> bool:
+    return cache.window > 1 and getattr(cache, "flush_corrections", "fold") == "rederive"
 
 
 def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
@@ -202,11 +212,12 @@ def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batc
     bucket = batch_bucket(batch)
     fast_key = ("gdn", cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads,
                 cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype,
-                scale, cache.keep_v_beta, cache.pad_slot_id, bucket, config)
+                scale, cache.keep_v_beta, cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format,
+                _rederives(cache), bucket, config)
     return _cached_kernel(
         "decode", fast_key, config,
         lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_config(cache.head_v_dim, bucket, cache.window, shape),
+        lambda shape: default_gdn_config(cache.head_v_dim, bucket, cache.window, shape, _whole_head(cache)),
         lambda shape, cfg: cfg.check(shape),
         lambda shape, cfg: compile_gdn(shape, cfg),
         ("gdn_decode", 0, bucket))

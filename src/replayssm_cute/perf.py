@@ -6,14 +6,16 @@ decode pools for timing, for both layer types (Mamba-2 and Gated DeltaNet).
 (``cursor_cycle``); dividing it by a measured time gives the achieved bandwidth. ``time_graph``
 times a function by capturing it once in a CUDA graph and replaying the graph. ``DecodePool``
 holds a pool far larger than L2 with realistic random inputs (T tokens per row for speculative
-steps: verify + commit, or the conventional snapshot baseline); ``compile_pool_kernel`` builds
-the kernels its steps call.
+steps: verify + commit, or the conventional snapshot baseline; with ``read_copy`` a low-precision
+read copy next to the fp32 checkpoint); ``compile_pool_kernel`` builds the kernels its steps call.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+from . import quant
 
 __all__ = ["DecodePool", "bench_layer", "compile_commit_kernel", "compile_pool_kernel", "cursor_cycle",
            "ideal_bytes", "time_graph", "verify_ideal_bytes"]
@@ -69,15 +71,31 @@ class _Layer:
         act = 2 * m.nheads * m.headdim * 2 + 2 * m.ngroups * m.dstate * 2 + cls.raw_gates * m.nheads * 2
         return e, act
 
+    @staticmethod
+    def _decode_kernel():
+        """(kernels_host function of (cache, its arguments for the pool's inputs, batch, config)
+        that decode() calls, those arguments), imported on demand."""
+        raise NotImplementedError
+
     @classmethod
-    def cache(cls, m, slots, window, device, drafts=0, dtype=None):
+    def cache(cls, m, slots, window, device, drafts=0, dtype=None, read_copy=None):
         """The pool's cache (activation `dtype`, default bf16); with a ring (window > 1) it has
-        room for `drafts` drafts."""
+        room for `drafts` drafts. `read_copy` ("fp16", "fp8", "nvfp4") adds that read copy next
+        to the fp32 checkpoint (``checkpoint_format="fp32"``; cache.py's low-precision state)."""
         import torch
 
+        formats = {} if read_copy is None else dict(checkpoint_format="fp32", read_copy=read_copy)
         return cls._cache_class()(slots, m.nheads, m.headdim, m.dstate, m.ngroups, window=window,
                                   max_draft=drafts if window > 1 else 0, dtype=dtype or torch.bfloat16,
-                                  device=device)
+                                  device=device, **formats)
+
+    @classmethod
+    def decode_kernel(cls, cache, batch, config=None):
+        """The kernel that a decode() of `batch` rows with the pool's inputs launches on ``cache``
+        (built, or loaded from the compile cache, on a miss): kernels_host picks it from the
+        cache (read copy included) and, with ``config`` None, the launch config as the API does."""
+        kernel_fn, args = cls._decode_kernel()
+        return kernel_fn(cache, *args, batch, config)
 
     @classmethod
     def kernel_shape(cls, m, window, drafts=0):
@@ -145,6 +163,12 @@ class _Mamba2Layer(_Layer):
         return mamba2_shape, args, compile_mamba2, Mamba2Config, default_mamba2_config
 
     @staticmethod
+    def _decode_kernel():
+        from .kernels_host import mamba2_decode_kernel
+
+        return mamba2_decode_kernel, _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, softplus
+
+    @staticmethod
     def _speculative(window):
         args = _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, dt_softplus
         if window > 1:
@@ -208,6 +232,12 @@ class _GDNLayer(_Layer):
         return gdn_shape, args, compile_gdn, GDNConfig, default_gdn_config
 
     @staticmethod
+    def _decode_kernel():
+        from .kernels_host import gdn_decode_kernel
+
+        return gdn_decode_kernel, _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
+
+    @staticmethod
     def _speculative(window):
         args = _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
         if window > 1:
@@ -234,7 +264,8 @@ class _GDNLayer(_Layer):
 
     @staticmethod
     def fill_ring(cache, gen):
-        """Records as decoding writes them: u ~ N(0, 1), unit-norm keys, g from the pool's gates."""
+        """Records as decoding writes them: u ~ N(0, 1), unit-norm keys, g from the pool's gates;
+        where the cache keeps them (a read copy), v ~ N(0, 1) and beta = sigmoid(N(0, 1))."""
         import torch.nn.functional as F
 
         device = cache.checkpoint.device
@@ -243,6 +274,9 @@ class _GDNLayer(_Layer):
         cache.ring_k.copy_(F.normalize(randn(*cache.ring_k.shape), dim=-1))
         A_log, dt_bias, a = _GDNLayer._gates(cache.ring_g.shape, cache.ring_g.shape, gen, device)
         cache.ring_g.copy_(-A_log.exp() * F.softplus(a + dt_bias))
+        if cache.ring_v is not None:
+            cache.ring_v.normal_(generator=gen)
+            cache.ring_beta.copy_(randn(*cache.ring_beta.shape).sigmoid())
 
     @staticmethod
     def inputs(m, batch, gen, device, drafts=0):
@@ -289,16 +323,22 @@ def _generators(gen, device):
             lambda *shape: torch.randn(*shape, generator=gen, device=device))
 
 
-def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1):
+def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1, read_copy=None):
     """Build (or load from the compile cache) the kernel a ``DecodePool(model, batch, window)``
     step launches with ``config``; with ``drafts`` T > 0, that of a ``DecodePool(model, batch,
     window, drafts=T)`` speculative step: verify (window > 1; ``compile_commit_kernel`` builds
-    the commit after it) or the snapshot baseline (window 1). Needs no GPU when
-    ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it."""
+    the commit after it) or the snapshot baseline (window 1); with ``read_copy``, those of a
+    pool with that read copy (``DecodePool(..., read_copy=...)``). Needs no GPU when
+    ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it.
+    A decode step with a read copy or with ``config`` None is looked up as decode() does, from
+    a cache of the pool's layout on the meta device (kernels_host picks the kernel)."""
     layer = bench_layer(model)
-    if not drafts:
+    if not drafts and read_copy is None and config is not None:
         return layer.compile(layer.kernel_shape(model, window), config)
-    cache = layer.cache(model, 1, window, "meta", drafts=drafts)  # dims only, nothing allocated
+    # dims and formats only, nothing allocated
+    cache = layer.cache(model, 1, window, "meta", drafts=drafts, read_copy=read_copy)
+    if not drafts:
+        return layer.decode_kernel(cache, batch, config)
     return layer.speculative_kernel(cache, drafts, batch, config)
 
 
@@ -445,22 +485,32 @@ class DecodePool:
     tokens per row and the rings have room for T drafts: ``verify_fn`` steps verify + commit, or
     with window 1 ``snapshot_fn`` the conventional snapshot baseline. `dtype` (fp16, fp32)
     replaces bf16 for the cache and every bf16 input (the autotuner's other activation dtypes).
-    `device` and `rotation_bytes` are for tests (a CPU pool steps through the float64 reference)."""
+    `read_copy` ("fp16", "fp8", "nvfp4"; window > 1) gives the cache that read copy next to its
+    fp32 checkpoint, RTN-encoded from it (``load_prefill``): then the sets total >= 512 MiB of
+    read copy (with its scales), the state a non-flush step reads. `device` and
+    `rotation_bytes` are for tests (a CPU pool steps through the float64 reference)."""
 
     def __init__(self, model, batch, window, stagger=False, seed=0, *, drafts=0, device="cuda",
-                 rotation_bytes=ROTATION_BYTES, dtype=None):
+                 rotation_bytes=ROTATION_BYTES, dtype=None, read_copy=None):
         import torch
 
         layer = bench_layer(model)
         self.model, self.batch, self.window, self.drafts = model, batch, window, drafts
+        self.read_copy = read_copy
         self.rotation_bytes = rotation_bytes
         self.state_bytes = model.nheads * model.headdim * model.dstate * 4
-        self.nsets = max(2, math.ceil(rotation_bytes / (batch * self.state_bytes)))
+        read_bytes = self.state_bytes
+        if read_copy is not None:
+            mem = layer.cache(model, 1, window, "meta", drafts, dtype, read_copy).memory_per_slot()
+            read_bytes = sum(v for k, v in mem.items() if k.startswith("read_copy"))
+        self.nsets = max(2, math.ceil(rotation_bytes / (batch * read_bytes)))
         slots = self.nsets * batch
         dev = torch.device(device)
         gen = torch.Generator(device=dev).manual_seed(seed)
-        self.cache = layer.cache(model, slots, window, dev, drafts, dtype)
+        self.cache = layer.cache(model, slots, window, dev, drafts, dtype, read_copy)
         self.cache.checkpoint.normal_(generator=gen).mul_(0.1)
+        if read_copy is not None:
+            self._encode_read_copy()
         if window > 1:
             layer.fill_ring(self.cache, gen)
             if stagger:
@@ -473,6 +523,17 @@ class DecodePool:
             self.inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                            for k, v in self.inputs.items()}
         self.out = self.inputs["out"]
+
+    def _encode_read_copy(self, chunk_bytes: int = 256 << 20):
+        """Write every slot's read copy from its fp32 checkpoint (RTN, as a prefill load or a
+        flush does), about `chunk_bytes` of checkpoint at a time; cursors and origins to 0."""
+        import torch
+
+        c = self.cache
+        n = max(1, chunk_bytes // self.state_bytes)
+        for start in range(0, c.num_slots, n):
+            ids = torch.arange(start, min(start + n, c.num_slots), device=c.device)
+            c.load_prefill(ids, c.checkpoint[ids])
 
     def step(self, slot_ids, config=None):
         from .api import decode
@@ -492,6 +553,32 @@ class DecodePool:
             for ids in self.sets:
                 self.step(ids, config)
         return fn, self.nsets
+
+    def cursor_fn(self, h, config=None):
+        """(fn, nsets): fn sets every cursor to `h` (0 <= h < window) and steps every slot set
+        once, so each step starts at h committed records (h = window - 1: ``flush_fn``)."""
+        if not 0 <= h < self.window:
+            raise ValueError(f"cursor_fn: h must be in [0, window {self.window}), got {h}")
+
+        def fn():
+            self.cache.cursor.fill_(h)
+            for ids in self.sets:
+                self.step(ids, config)
+        return fn, self.nsets
+
+    def nonflush_fn(self, config=None):
+        """(fn, (window - 1) * nsets): fn sets every cursor to 0 and runs the window - 1
+        non-flush steps h = 0..window-2 on every slot set (h + 1 < window: no row flushes), so
+        its mean per step is the non-flush mean of a window, measured rather than derived."""
+        if self.window < 2:
+            raise ValueError("nonflush_fn: a conventional pool (window 1) has no non-flush steps")
+
+        def fn():
+            self.cache.cursor.fill_(0)
+            for _ in range(self.window - 1):
+                for ids in self.sets:
+                    self.step(ids, config)
+        return fn, (self.window - 1) * self.nsets
 
     def verify_fn(self, accepted, steps, config=None):
         """(fn, steps * nsets): fn runs `steps` speculative steps on every slot set, each a verify()
@@ -531,3 +618,98 @@ class DecodePool:
                 snapshot_verify(self.cache, slot_ids=ids, snapshots=buffers[i % count], config=config,
                                 **self.inputs)
         return fn, self.nsets
+
+
+# ----------------------------------------------------------------------------- read copies
+# The byte model of a cache with a low-precision read copy (sweeps/bench_read_precision.py's
+# module docstring; the tuner's ideal bytes for read-copy kernels). S the fp32 checkpoint, R the
+# state a non-flush step reads (the read copy with its scales).
+
+
+def read_copy_arg(fmt: str) -> Optional[str]:
+    """The cache's ``read_copy`` for read format `fmt`: None for fp32 (the plain cache)."""
+    return None if fmt == "fp32" else fmt
+
+
+def quant_format(fmt: str, K: int):
+    """``fmt`` as replayssm_cute.quant stores it for innermost dim K: fp8 scales per 128 elements
+    when K is a multiple of 128, else per state row (cache.py's rule); the name otherwise."""
+    if fmt == "fp8":
+        return quant.FP8E4M3(block_k=128 if K % 128 == 0 else K)
+    return fmt
+
+
+def state_bytes(model, fmt: str) -> int:
+    """Bytes of one sequence's state in read format `fmt`, scales included: nheads states of
+    (headdim x dstate) (Mamba-2 P x N, GDN V x K)."""
+    return model.nheads * quant.bytes_per_state(quant_format(fmt, model.dstate), model.headdim, model.dstate)
+
+
+def state_ratio(model, fmt: str) -> float:
+    """The ideal byte ratio of read format `fmt`: the fp32 state over the format with its scales."""
+    return state_bytes(model, "fp32") / state_bytes(model, fmt)
+
+
+class StepSizes(NamedTuple):
+    """Bytes per row (see the module docstring): S the fp32 checkpoint, R the state a non-flush
+    step reads, e / e_w / e_f the record read per committed record / written / read at a flush,
+    act the step's inputs and outputs, R_w the read copy a flush writes (0 without one)."""
+
+    S: int
+    R: int
+    e: float
+    e_w: float
+    e_f: float
+    act: int
+    R_w: int
+
+
+def step_sizes(model, fmt: str, window: int) -> StepSizes:
+    """The StepSizes of ``model``'s pool (bf16 records and activations) with read format `fmt`.
+    e and act are perf's (``record_and_act_bytes``); the records a read-copy cache keeps beyond
+    them (GDN's v and beta) come from the cache layout (``memory_per_slot`` of a meta cache)."""
+    layer = bench_layer(model)
+    e, act = layer.record_and_act_bytes(model)
+    S = state_bytes(model, "fp32")
+    R = state_bytes(model, fmt)
+    cache = layer.cache(model, 1, window, "meta", read_copy=read_copy_arg(fmt))
+    mem = cache.memory_per_slot()
+    extra = sum(mem.get(name, 0) for name in ("ring_v", "ring_beta")) / cache.capacity
+    e_f = e
+    if getattr(cache, "flush_corrections", "fold") == "rederive":  # k, g, v, beta: not the cached u
+        e_f = e - mem["ring_u"] / cache.capacity + extra
+    return StepSizes(S=S, R=R, e=e, e_w=e + extra, e_f=e_f, act=act, R_w=0 if fmt == "fp32" else R)
+
+
+def read_ideal_bytes(model, batch: int, window: int, fmt: str, cursor: Optional[int] = None) -> Dict[str, float]:
+    """Ideal bytes per step of ``batch`` rows reading format `fmt` (module docstring):
+    ``nonflush`` (the mean over h = 0..L-2, or the step at h = ``cursor``), ``flush``,
+    ``window_mean`` and ``conventional`` (window 1, fp32). With fp32 these are perf.ideal_bytes's."""
+    z = step_sizes(model, fmt, window)
+    L, b = window, batch
+    h = (L - 2) / 2 if cursor is None else cursor
+    nonflush_mean = z.R + z.e * (L - 2) / 2 + z.e_w + z.act
+    flush = 2 * z.S + z.R_w + (L - 1) * z.e_f + z.act
+    return {
+        "nonflush": b * (z.R + z.e * h + z.e_w + z.act),
+        "flush": b * flush,
+        "window_mean": b * ((L - 1) * nonflush_mean + flush) / L,
+        "conventional": ideal_bytes(model, batch, window)["conventional"],
+    }
+
+
+def verify_read_ideal_bytes(model, batch: int, window: int, drafts: int, accepted: int, fmt: str) -> float:
+    from .reference_spec import spec_flush
+
+    """Ideal bytes of a verify + commit step of ``batch`` rows (T = ``drafts``, a = ``accepted``)
+    reading format `fmt`, the mean over one period of perf.cursor_cycle (module docstring); with
+    fp32, perf.verify_ideal_bytes's ``verify``."""
+    z = step_sizes(model, fmt, window)
+    T = drafts
+    steps = []
+    for h in cursor_cycle(window, T, accepted):
+        if spec_flush(h, T, window):
+            steps.append(2 * z.S + z.R_w + h * z.e_f + T * z.e_w + T * z.act)
+        else:
+            steps.append(z.R + h * z.e + T * z.e_w + T * z.act)
+    return batch * sum(steps) / len(steps)

@@ -4,13 +4,16 @@
         [--modes conventional,standard,verify] [--window 16] [--drafts 4,8] [--dtypes bf16,fp16]
         [--out FILE] [--replays 15] [--workers N] [--pool-mb 512] [--compile-only]
     python -m replayssm_cute.tune --shape mamba2:128,64,128,8 ...     # explicit layer dims
+    python -m replayssm_cute.tune --model nemotron-super --read-copies fp16,fp8,nvfp4 --modes standard
 
 --model takes the registry names of replayssm_cute.models (replayssm.md section 7), several
 separated by commas; --shape takes explicit dims instead: mamba2:H,P,N,G (heads, headdim,
 dstate, groups) or gdn:HV,V,K,H (value heads, V, K, key heads). Modes: conventional (the
 window-1 step), standard (ReplaySSM decode at --window) and verify (verify + commit of T
 drafts at --window, for each T of --drafts); default conventional,standard. Batches are
-buckets, powers of two up to 1024 (default: all of them).
+buckets, powers of two up to 1024 (default: all of them). --read-copies adds the standard mode
+on caches with each of those low-precision read copies next to an fp32 checkpoint (their
+kernels, keyed by the read copy, are tuned apart).
 
 For each kernel, activation dtype and batch bucket:
 1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
@@ -51,6 +54,7 @@ from .precompile import config_label
 from .tuning import BATCH_BUCKETS, MODES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
+READ_COPIES = ("fp16", "fp8", "nvfp4")
 DEFAULT_MODES = "conventional,standard"
 MAX_DRAFTS = 16  # verify's limit
 MAX_RING = 32  # window + drafts: one lane per ring record
@@ -77,6 +81,7 @@ class TuneTarget:
     window: int
     num_drafts: int
     dtype: str
+    read_copy: Optional[str] = None  # a low-precision read copy next to the fp32 checkpoint
 
     @property
     def kernel(self) -> str:
@@ -87,7 +92,8 @@ class TuneTarget:
     def label(self) -> str:
         mode = {"conventional": "conventional", "standard": f"standard L{self.window}",
                 "verify": f"verify L{self.window} T{self.num_drafts}"}[self.mode]
-        return f"{self.model.name} {mode} {self.dtype}"
+        read = f" read {self.read_copy}" if self.read_copy else ""
+        return f"{self.model.name} {mode}{read} {self.dtype}"
 
     def torch_dtype(self):
         import torch
@@ -99,7 +105,7 @@ class TuneTarget:
         from .perf import DecodePool
 
         return DecodePool(self.model, batch, self.window, drafts=self.num_drafts, rotation_bytes=rotation_bytes,
-                          dtype=self.torch_dtype())
+                          dtype=self.torch_dtype(), read_copy=self.read_copy)
 
     def shape(self):
         """The kernel shape decode / verify build for the pool's inputs: perf's bf16 shape with
@@ -111,8 +117,13 @@ class TuneTarget:
 
         shape = bench_layer(self.model).kernel_shape(self.model, self.window, self.num_drafts)
         bf16, dtype = cute_dtype(torch.bfloat16), cute_dtype(self.torch_dtype())
-        return dataclasses.replace(shape, **{f.name: dtype for f in dataclasses.fields(shape)
-                                             if getattr(shape, f.name) is bf16})
+        shape = dataclasses.replace(shape, **{f.name: dtype for f in dataclasses.fields(shape)
+                                              if getattr(shape, f.name) is bf16})
+        if self.read_copy is None:
+            return shape
+        # A read-copy cache's defaults: GDN keeps (v, beta) and re-derives at a flush.
+        extra = dict(keep_v_beta=True, rederive=True) if self.model.layer == "gdn" else {}
+        return dataclasses.replace(shape, read_copy=self.read_copy, **extra)
 
     def check(self, config) -> Optional[str]:
         """Why the kernel cannot take `config` at this shape, or None."""
@@ -133,9 +144,10 @@ class TuneTarget:
         if self.mode == "verify":
             choose = kh.default_gdn_verify_config if self.model.layer == "gdn" else kh.default_mamba2_verify_config
             return choose(P, batch)
+        whole_head = self.read_copy == "nvfp4"
         if self.model.layer == "gdn":
-            return kh.default_gdn_config(P, batch, self.window, self.shape())
-        return kh.default_mamba2_config(P, batch, self.window)
+            return kh.default_gdn_config(P, batch, self.window, self.shape(), whole_head)
+        return kh.default_mamba2_config(P, batch, self.window, whole_head)
 
     def candidates(self) -> list:
         """The layer config class's space (kernels/config_space.py) that the kernel takes."""
@@ -162,8 +174,10 @@ class TuneTarget:
     def ideal_bytes(self, batch: int) -> float:
         """Ideal bytes per step (perf): the conventional step, the ReplaySSM window mean, or the
         mean over accepted_counts() of a verify + commit step."""
-        from .perf import ideal_bytes, verify_ideal_bytes
+        from .perf import ideal_bytes, read_ideal_bytes, verify_ideal_bytes
 
+        if self.read_copy is not None:
+            return read_ideal_bytes(self.model, batch, self.window, self.read_copy)["window_mean"]
         if self.mode == "verify":
             per_a = [verify_ideal_bytes(self.model, batch, self.window, self.num_drafts, a)["verify"]
                      for a in self.accepted_counts()]
@@ -454,6 +468,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma separated, of {', '.join(MODES)} (default {DEFAULT_MODES})")
     parser.add_argument("--window", type=int, default=16, help="ReplaySSM window L of standard and verify (default 16)")
     parser.add_argument("--drafts", metavar="T1,T2,...", help="draft counts T of the verify mode (needed with it)")
+    parser.add_argument("--read-copies", metavar="F1,F2", default="",
+                        help="also tune standard decoding with these read copies (fp16, fp8, nvfp4)")
     parser.add_argument("--dtypes", default="bf16", help=f"activation dtypes, of {', '.join(DTYPES)} (default bf16)")
     parser.add_argument("--out", help="tuned-config file to merge the winners into (default: the user file, "
                                       "$REPLAYSSM_CUTE_TUNED_FILE or tuned.json in the compile-cache folder)")
@@ -513,10 +529,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
 
+    read_copies = [r.strip() for r in args.read_copies.split(",") if r.strip()]
+    for r in read_copies:
+        if r not in READ_COPIES:
+            parser.error(f"--read-copies: unknown read copy {r!r}; use {', '.join(READ_COPIES)}")
+    if read_copies and "standard" not in modes:
+        parser.error("--read-copies: tunes the standard mode (the read copy's GPU kernels); add standard to --modes")
+
     args.targets = [TuneTarget(m, mode, window, T, d)
                     for m in models for d in dtypes for mode in MODES if mode in modes
                     for window, T in ({"conventional": [(1, 0)], "standard": [(args.window, 0)],
                                        "verify": [(args.window, T) for T in drafts]}[mode])]
+    args.targets += [TuneTarget(m, "standard", args.window, 0, d, r) for m in models for d in dtypes for r in read_copies]
     return args
 
 
