@@ -10,7 +10,7 @@ capacity, ...) then keeps those it takes. Pure Python: no cutlass, no GPU.
 from typing import List
 
 TUNE_NUM_WARPS = tuple(range(1, 9))
-TUNE_MIN_CTAS_PER_SM = (0, 2, 4, 6)
+TUNE_MIN_CTAS_PER_SM = (0, 2, 4, 6, 8, 12, 16)  # 8+: light read-copy tiles (small shared memory)
 MIN_TILE_ROWS = 8  # smaller tiles launch more CTAs than rows are worth (at least one warp each)
 
 REGISTERS_PER_SM = 64 * 1024  # sm_90 / sm_100 / sm_103

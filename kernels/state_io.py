@@ -20,8 +20,17 @@ low-precision checkpoint decodes to the reference's fp32 values. Writing needs t
 which the caller reduces over its CTA (``nvfp4_state_scale``): a kernel writing nvfp4 holds a
 whole head's state in one CTA.
 
-Software everywhere: sm_90a has neither ``cvt.rs`` nor E2M1 conversions, and the software path
-is what the reference pins bit for bit on every target.
+Conversions: RTN into fp16 and E4M3 and E4M3 decoding use the hardware conversions of every
+target (``cvt.rn.f16.f32``, ``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2``: quant's
+RTN exactly, NaN mapped to its code); E2M1 and every SR rounding are software on every target.
+sm_90a has neither ``cvt.rs`` nor E2M1 conversions; on sm_100a / sm_103a ``cvt.rs`` takes 13
+random bits per fp16 element and shares one 32-bit word between the elements of an E4M3 / E2M1
+quad (PTX ISA, ``cvt``), so it cannot draw quant's independent 32 bits per element and no
+definition of the bits makes it bit-exact with the reference: SR stays software there too.
+
+Light copies (``StateCopies.light``): with an fp16 / fp8 entry tile a kernel keeps no fp32 tile
+in shared memory (so more CTAs fit an SM, which a latency-bound step needs to use the smaller
+reads) and a flush folds checkpoint rows in registers (``checkpoint_row``).
 """
 
 from dataclasses import dataclass

@@ -68,11 +68,11 @@ class _Mamba2Layer:
         self.dt_bias = -3.0 + torch.rand(H, generator=gen, device=dev)
         self.D = torch.randn(H, generator=gen, device=dev)
 
-    def decode(self, cache, inputs, ids, out):
+    def decode(self, cache, inputs, ids, out, config=None):
         x, dt, B, C = inputs
         dev = cache.checkpoint.device
         return rs.decode(cache, x.to(dev), dt.to(dev), self.A.to(dev), B.to(dev), C.to(dev), ids.to(dev),
-                         D=self.D.to(dev), dt_bias=self.dt_bias.to(dev), dt_softplus=True, out=out)
+                         D=self.D.to(dev), dt_bias=self.dt_bias.to(dev), dt_softplus=True, out=out, config=config)
 
     @staticmethod
     def inputs(b, gen, dev):
@@ -88,11 +88,11 @@ class _GDNLayer:
         self.A_log = torch.rand(HV, generator=gen, device=dev) - 1.0
         self.dt_bias = torch.rand(HV, generator=gen, device=dev) - 2.0
 
-    def decode(self, cache, inputs, ids, out):
+    def decode(self, cache, inputs, ids, out, config=None):
         q, k, v, a, b = inputs
         dev = cache.checkpoint.device
         return rs.decode(cache, q.to(dev), k.to(dev), v.to(dev), a.to(dev), b.to(dev), self.A_log.to(dev),
-                         self.dt_bias.to(dev), ids.to(dev), out=out)
+                         self.dt_bias.to(dev), ids.to(dev), out=out, config=config)
 
     @staticmethod
     def inputs(b, gen, dev):
@@ -139,7 +139,25 @@ def test_gdn_decode_lowprec_teacher_forced(window, ckpt, read, corrections):
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, window, ckpt, read, corrections), window, ckpt, read)
 
 
-def _teacher_forced(layer_cls, make_cache, window, ckpt, read):
+@pytest.mark.parametrize("layer,ckpt,read,rows,warps,ctas", [
+    ("mamba2", "fp32", "fp16", 64, 2, 8), ("mamba2", "fp32", "fp8", 64, 2, 8), ("mamba2", "fp16", "fp8", 64, 2, 12),
+    ("gdn", "fp32", "fp16", 128, 8, 0), ("gdn", "fp32", "fp8", 64, 4, 8),
+])
+def test_light_read_copies_at_large_batch_configs(layer, ckpt, read, rows, warps, ctas):
+    """The configs large batches run light read copies with (32 rows per warp, register caps that
+    spill the flush path): teacher-forced as above."""
+    from replayssm_cute.kernels.gdn.decode import GDNConfig
+    from replayssm_cute.kernels.mamba2.decode import Mamba2Config
+
+    if layer == "mamba2":
+        _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, 4, ckpt, read), 4, ckpt, read,
+                        Mamba2Config(rows, warps, ctas))
+    else:
+        _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, ckpt, read, "rederive"), 4, ckpt, read,
+                        GDNConfig(rows, warps, ctas))
+
+
+def _teacher_forced(layer_cls, make_cache, window, ckpt, read, config=None):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(window * 31 + len(ckpt) + len(read or ""))
     batch, slots = 6, 10
@@ -162,7 +180,7 @@ def _teacher_forced(layer_cls, make_cache, window, ckpt, read):
         _twin(cache, cpu)
         before = {k: v.clone() for k, v in _tensors(cache).items()}
         out = out_pad.clone()
-        layer.decode(cache, inputs, step_ids, out)
+        layer.decode(cache, inputs, step_ids, out, config)
         ref_out = out_pad.cpu()
         layer.decode(cpu, [t.cpu() for t in inputs], step_ids.cpu(), ref_out)
         torch.cuda.synchronize()

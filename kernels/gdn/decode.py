@@ -23,7 +23,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 
 | name        | shape             | dtype    | access | meaning                                     |
 |-------------|-------------------|----------|--------|---------------------------------------------|
-| checkpoint  | (S, HV, V, K)     | fp32     | R / W on flush | S_ckpt (the state when L = 1)       |
+| checkpoint  | (S, HV, V, K)     | fmt      | R / W on flush | S_ckpt (the state when L = 1); format below |
 | q, k        | (b, H, K)         | act      | R      | raw query / key; any batch stride (views into mixed_qkv) |
 | v           | (b, HV, V)        | act      | R      | value, any batch stride                     |
 | a, b        | (b, HV)           | gate     | R      | raw gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) |
@@ -34,11 +34,21 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | ring_u      | (S, cap, HV, V)   | fp16     | R / W  | record u (L > 1 only)                       |
 | ring_k      | (S, cap, H, K)    | act      | R / W  | record key, L2-normalised, once per key head|
 | ring_g      | (S, cap, HV)      | fp32     | R / W  | record log decay g                          |
-| ring_v      | (S, cap, HV, V)   | act      | W, optional | record v (two-precision caches)        |
-| ring_beta   | (S, cap, HV)      | fp32     | W, optional | record beta                            |
+| ring_v      | (S, cap, HV, V)   | act      | W; R at a re-deriving flush | record v (two-precision caches) |
+| ring_beta   | (S, cap, HV)      | fp32     | W; R at a re-deriving flush | record beta             |
 | cursor      | (S,)              | int32    | R / W  | committed records h                         |
 | origin      | (S,)              | int32    | R      | ring index of record 0                      |
 | arrivals    | (S,)              | int32    | R / W  | zero between steps; the last CTA of a row advances the cursor |
+| checkpoint_scale, _state_scale | per format | fp32 / E4M3 | R / W on flush | fp8: (S, HV, V, K / bk); nvfp4: (S, HV, V, K / 16), (S, HV) |
+| read        | (S, HV, V, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
+| sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
+| sr_counter  | (S,)             | int32   | R / W  | SR writes per slot; the CTA advancing the cursor advances it |
+
+State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
+elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
+cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
+flush reads the checkpoint, rebuilds the state in fp32 and writes it into every copy: SR into a
+low-precision checkpoint (bits keyed by sr_seed, slot and sr_counter), RTN into the read copy.
 """
 
 from dataclasses import dataclass

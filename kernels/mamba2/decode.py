@@ -19,7 +19,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 
 | name        | shape            | dtype   | access | meaning                                        |
 |-------------|------------------|---------|--------|------------------------------------------------|
-| checkpoint  | (S, H, P, N)     | fp32    | R / W on flush | S_ckpt (the conventional state when L = 1) |
+| checkpoint  | (S, H, P, N)     | fmt     | R / W on flush | S_ckpt (the conventional state when L = 1); format below |
 | x           | (b, H, P)        | act     | R      | value input; batch stride free                 |
 | dt          | (b, H)           | act/fp32| R      | raw dt                                         |
 | A           | (H,)             | fp32    | R      | negative decay rate                            |
@@ -35,6 +35,16 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | cursor      | (S,)             | int32   | R / W  | committed records h                            |
 | origin      | (S,)             | int32   | R      | ring index of record 0                         |
 | arrivals    | (S,)             | int32   | R / W  | zero between steps; the last CTA of a row advances the cursor |
+| checkpoint_scale, _state_scale | per format | fp32 / E4M3 | R / W on flush | fp8: (S, H, P, N / bk); nvfp4: (S, H, P, N / 16), (S, H) |
+| read        | (S, H, P, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
+| sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
+| sr_counter  | (S,)             | int32   | R / W  | SR writes per slot; the CTA advancing the cursor advances it |
+
+State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
+elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
+cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
+flush reads the checkpoint, rebuilds the state in fp32 and writes it into every copy: SR into a
+low-precision checkpoint (bits keyed by sr_seed, slot and sr_counter), RTN into the read copy.
 """
 
 from dataclasses import dataclass

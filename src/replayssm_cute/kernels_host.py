@@ -23,15 +23,21 @@ def cute_dtype(dtype: torch.dtype):
     return getattr(cutlass, _CUTE_DTYPE_NAMES[dtype])
 
 
-def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: bool = False):
+def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: bool = False, shape=None):
     """Best measured on the H200 (sweeps/bench_decode.py): small tiles at batch <= 16, where more
     CTAs per row hide latency; at larger batch long warps (16-20 rows) so the per-CTA ring work
     is amortised, with 2 warps for the conventional step. ``whole_head``: a CTA per head (the
-    writer of an nvfp4 copy needs the whole state's amax)."""
+    writer of an nvfp4 copy needs the whole state's amax). With `shape` of an fp16 / fp8 read
+    copy at larger batch: a head per CTA in 32-row warps, registers capped for 8 CTAs per SM
+    (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256)."""
     from .kernels.mamba2.decode import Mamba2Config
 
     if whole_head:
         return Mamba2Config(rows_per_cta=headdim, num_warps=4 if headdim % 4 == 0 else 1)
+    if shape is not None and shape.read_copy in ("fp16", "fp8") and batch > 16 and headdim % 32 == 0:
+        light = Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 32, min_ctas_per_sm=8)
+        if light.check(shape) is None:
+            return light
     if batch <= 16:
         return Mamba2Config(rows_per_cta=16, num_warps=4)
     choices = [(64, 4), (40, 2), (32, 2)] if window > 1 else [(32, 2), (40, 2)]
@@ -145,7 +151,7 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
     return _cached_kernel(
         "decode", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window, _whole_head(cache)),
+        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window, _whole_head(cache), shape),
         lambda shape, cfg: cfg.check(shape),
         lambda shape, cfg: compile_mamba2(shape, cfg),
         ("mamba2_decode", 0, bucket))
@@ -157,9 +163,12 @@ def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None, who
     tiles with registers capped for 6 CTAs per SM (the most tiles in flight) for ReplaySSM, and
     32-row tiles over 2 warps for the conventional step. With `shape`, the first choice that
     fits it (shared memory for large K). ``whole_head``: a CTA per head (the writer of an nvfp4
-    copy needs the whole state's amax), 16 rows per warp."""
+    copy needs the whole state's amax), 16 rows per warp; also the best measured for fp16 / fp8
+    read copies at larger batch (sweeps/bench_read_precision.py, batch 256)."""
     from .kernels.gdn.decode import GDNConfig
 
+    if shape is not None and shape.read_copy in ("fp16", "fp8") and batch > 16 and head_v_dim % 16 == 0:
+        whole_head = GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16).check(shape) is None
     if whole_head:
         return GDNConfig(rows_per_cta=head_v_dim, num_warps=max(1, head_v_dim // 16))
     if batch <= 16:

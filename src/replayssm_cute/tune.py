@@ -147,7 +147,7 @@ class TuneTarget:
         whole_head = self.read_copy == "nvfp4"
         if self.model.layer == "gdn":
             return kh.default_gdn_config(P, batch, self.window, self.shape(), whole_head)
-        return kh.default_mamba2_config(P, batch, self.window, whole_head)
+        return kh.default_mamba2_config(P, batch, self.window, whole_head, self.shape())
 
     def candidates(self) -> list:
         """The layer config class's space (kernels/config_space.py) that the kernel takes."""
