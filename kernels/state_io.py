@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import f32_asm, ptx_op, start_tile_loads
+from .common import f32_asm, make_row_tma, ptx_op, start_tile_loads
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
@@ -399,6 +399,24 @@ def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, 
     else:
         scale = smem_scale(ckpt, sEntryScale, warp, r, lane * vec, entry_state_scale)
         decode_slice(ckpt, cute.local_tile(sEntry[r, None, warp], (ckpt.per_lane(vec),), (lane,)), scale, out)
+
+
+def make_copy_tmas(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, rows_per_warp: int):
+    """Host side of a decode kernel's state loads: TMA atoms over a copy viewed as (slots *
+    rows_per_slot, cols) rows, so a box is one warp's state rows. Returns (entry atom, entry
+    coordinates, checkpoint atom, checkpoint coordinates): every step loads the read copy (else the
+    checkpoint) at entry; next to a read copy a flush loads the checkpoint apart (None otherwise)."""
+
+    def rows_tma(m: cute.Tensor, cols: int):
+        return make_row_tma(cute.make_tensor(m.iterator, cute.make_layout(
+            (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), rows_per_warp, cols)
+
+    entry = mRead if copies.separate else mCheckpoint
+    tma_entry, mEntryTma = rows_tma(entry, copies.entry.cols)
+    tma_ckpt, mCkptTma = None, None
+    if copies.separate:
+        tma_ckpt, mCkptTma = rows_tma(mCheckpoint, copies.checkpoint.cols)
+    return tma_entry, mEntryTma, tma_ckpt, mCkptTma
 
 
 @cute.jit

@@ -59,10 +59,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
+from ..common import issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
 from ..config_space import config_space
 from ..state_io import (StateCopies, checkpoint_row, decode_slice, fold_row, load_scale, ring_coefficients, smem_scale,
-                        start_state_loads, store_copies, tile_state_scale)
+                        make_copy_tmas, start_state_loads, store_copies, tile_state_scale)
 from .common import gdn_gates, normalize_qk
 
 
@@ -340,18 +340,8 @@ class GDNDecode:
     ):
         s, c = self.shape, self.config
         HV, V = s.num_v_heads, s.head_v_dim
-        copies = s.copies
-        # A copy as (slots * HV * V, cols) rows so a TMA box is one warp's state rows: every step
-        # loads the read copy (else the checkpoint) at entry; a flush the checkpoint apart.
-        entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
-        tma_entry, mEntryTma = make_row_tma(cute.make_tensor(entry.iterator, cute.make_layout(
-            (entry.shape[0] * (HV * V), copies.entry.cols), stride=(copies.entry.cols, 1))), c.rows_per_warp,
-            copies.entry.cols)
-        tma_ckpt, mCkptTma = None, None
-        if cutlass.const_expr(copies.separate):
-            cols = copies.checkpoint.cols
-            tma_ckpt, mCkptTma = make_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
-                (mCheckpoint.shape[0] * (HV * V), cols), stride=(cols, 1))), c.rows_per_warp, cols)
+        tma_entry, mEntryTma, tma_ckpt, mCkptTma = make_copy_tmas(s.copies, mCheckpoint, mRead, HV * V,
+                                                                  c.rows_per_warp)
         launch_tiles(self.kernel(
             tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals, mCheckpointScale,
