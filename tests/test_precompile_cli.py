@@ -385,3 +385,40 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
     assert [tuple(v) for v in got] == want
     with pytest.raises(ValueError, match="--with-z"):
         precompile.draft_variants(m, 16, [2], ["bf16"], with_z=True)
+
+
+# ----------------------------------------------------------------------------- read copies
+
+
+@pytest.mark.parametrize("name", ["nemotron-super", "qwen3.5-122b"])
+def test_read_copy_variants_are_what_decode_builds(name):
+    """--read-copies: for each read copy and dtype, the shape decode builds for a cache with that
+    read copy (fp32 checkpoint; GDN keeping v and beta, re-deriving) and the launch configs it
+    picks at small and large batch."""
+    import torch
+
+    from replayssm_cute import kernels_host as kh
+    from replayssm_cute.cache import GDNCache, Mamba2Cache
+
+    m = get_model(name)
+    got = precompile.read_copy_variants(m, 16, ["bf16"], ["fp8", "nvfp4"])
+    assert len({lb for lb, _, _ in got}) == len(got) >= 2
+    for fmt in ("fp8", "nvfp4"):
+        dims = (m.nheads, m.headdim, m.dstate, m.ngroups)
+        if m.layer == "gdn":
+            cache = GDNCache(1, *dims, window=16, device="meta", read_copy=fmt)
+            shape = kh._gdn_cache_shape(cache, torch.bfloat16, torch.float32, torch.float32, None)
+            configs = {kh.default_gdn_config(m.headdim, b, 16, shape, kh._whole_head(cache)) for b in (1, 1024)}
+        else:
+            cache = Mamba2Cache(1, *dims, window=16, device="meta", read_copy=fmt)
+            shape = kh._mamba2_cache_shape(cache, torch.bfloat16, True, False, True, True)
+            configs = {kh.default_mamba2_config(m.headdim, b, 16, kh._whole_head(cache), shape) for b in (1, 1024)}
+        mine = [(lb, s, c) for lb, s, c in got if f"_read_{fmt}_" in lb]
+        assert {s for _, s, _ in mine} == {shape}
+        assert {c for _, _, c in mine} == configs
+        assert all(c.check(shape) is None for c in configs)
+
+
+def test_unknown_read_copy(capsys):
+    assert "--read-copies: unknown read copy 'fp4'" in _cli_error(
+        capsys, ["--model", "nemotron-super", "--read-copies", "fp8,fp4"])

@@ -1,7 +1,8 @@
 """Build every kernel a model needs into the compile cache, with no GPU required.
 
     python -m replayssm_cute.precompile --model nemotron-super [--arch sm_90a|sm_100a|sm_103a]
-        [--window 16] [--dtypes bf16,fp16] [--with-z] [--drafts 2,4,8] [--dump-ptx DIR]
+        [--window 16] [--dtypes bf16,fp16] [--with-z] [--drafts 2,4,8] [--read-copies fp16,fp8,nvfp4]
+        [--dump-ptx DIR]
 
 A server that runs this at build time starts warm: `decode` (and with --drafts, `verify` and
 `commit`) finds its kernels on disk. The variants are those `decode` asks for with the engines'
@@ -21,6 +22,10 @@ that cache (its ring is window + max_draft records, a different kernel from the 
 cache's), the verify kernel for each draft count T with the launch configs verify picks for small
 and large batches, and the commit kernel for each T. Each T needs 1 <= T <= min(16, window), and
 window + max(T) <= 32. --dump-ptx covers these kernels too.
+
+--read-copies F1,F2,... (default: none) adds the ReplaySSM decode kernels (--window) of caches
+with those low-precision read copies next to an fp32 checkpoint (GDN: keeping v and beta and
+re-deriving at a flush, the cache's defaults), with the launch configs decode picks for them.
 """
 
 from __future__ import annotations
@@ -94,6 +99,35 @@ def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
                                    dtype, dtype, torch.float32, torch.float32, None, False,
                                    pad_slot_id),
         lambda batch, L, shape: default_gdn_config(model.headdim, batch, L, shape))
+
+
+READ_COPIES = ("fp16", "fp8", "nvfp4")
+
+
+def read_copy_variants(model, window: int, dtypes, read_copies, pad_slot_id: int = -1):
+    """(label, shape, config) for the ReplaySSM decode kernels `decode` builds on caches with each
+    read copy of `read_copies` next to an fp32 checkpoint (GDNCache's defaults with a read copy:
+    v and beta kept, corrections re-derived at a flush), the engines' usual arguments otherwise
+    (mamba2_variants / gdn_variants), each with the small- and large-batch launch config."""
+    import torch
+
+    from . import kernels_host as kh
+
+    out = []
+    for dname in dtypes:
+        dtype = getattr(torch, _DTYPES[dname])
+        for fmt in read_copies:
+            if model.layer == "gdn":
+                shape = kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window, dtype,
+                                     dtype, torch.float32, torch.float32, None, True, pad_slot_id, "fp32", fmt, True)
+                configs = {kh.default_gdn_config(model.headdim, b, window, shape, fmt == "nvfp4") for b in _BATCHES}
+            else:
+                shape = kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window,
+                                        dtype, dtype, True, False, True, True, pad_slot_id, "fp32", fmt)
+                configs = {kh.default_mamba2_config(model.headdim, b, window, fmt == "nvfp4", shape) for b in _BATCHES}
+            for cfg in sorted(configs, key=lambda c: c.key()):
+                out.append((f"{model.layer}_replay_L{window}_read_{fmt}_{dname}_{config_label(cfg)}", shape, cfg))
+    return out
 
 
 def parse_drafts(text: str):
@@ -332,6 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--drafts", metavar="T1,T2,...",
                         help="also the speculative kernels for these draft counts (default: none): "
                              "decode and verify on a cache of max_draft = max(T), and commit")
+    parser.add_argument("--read-copies", metavar="F1,F2,...", default="",
+                        help=f"also the decode kernels of caches with these read copies ({', '.join(READ_COPIES)})")
     parser.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's PTX into DIR")
     args = parser.parse_args(argv)
 
@@ -347,6 +383,10 @@ def main(argv=None) -> int:
             parser.error(f"--dtypes: unknown dtype {d!r}; use {', '.join(_DTYPES)}")
     if not dtypes:
         parser.error("--dtypes: give at least one of " + ", ".join(_DTYPES))
+    read_copies = [r.strip() for r in args.read_copies.split(",") if r.strip()]
+    for r in read_copies:
+        if r not in READ_COPIES:
+            parser.error(f"--read-copies: unknown read copy {r!r}; use {', '.join(READ_COPIES)}")
     if not 2 <= args.window <= 32:
         parser.error("--window must be in 2..32 (window 1 is the conventional kernel, always built; "
                      "the kernel keeps one record per lane)")
@@ -369,7 +409,8 @@ def main(argv=None) -> int:
     layer = model.layer
     jobs = [(label, lambda s=shape, c=cfg: compile_variant(layer, s, c),
              lambda path, s=shape, c=cfg: dump_ptx(layer, s, c, path))
-            for label, shape, cfg in variants(model, args.window, dtypes, with_z=args.with_z)]
+            for label, shape, cfg in variants(model, args.window, dtypes, with_z=args.with_z)
+            + read_copy_variants(model, args.window, dtypes, read_copies)]
     if drafts is not None:
         try:
             spec = draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z)
