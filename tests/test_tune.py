@@ -517,6 +517,35 @@ def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
     assert seen == [Mamba2Config(16, 1, 0)]
 
 
+def test_tuning_a_read_copy_kernel_on_a_cpu_pool(monkeypatch, capsys):
+    """--read-copies end to end without a GPU (as above): the read-copy kernel is tuned apart,
+    its entry keyed by the read copy, and decode on such a cache picks it up; a plain cache does not."""
+    from replayssm_cute.perf import DecodePool
+
+    monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: {})
+    monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
+        self.model, batch, self.window, device="cpu", rotation_bytes=0, dtype=self.torch_dtype(),
+        read_copy=self.read_copy))
+    monkeypatch.setattr(tune, "time_config", lambda target, pool, config, replays: (
+        10.0 + config.num_warps - config.rows_per_cta / 100))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    argv = ["--shape", "mamba2:2,16,32,1", "--modes", "standard", "--read-copies", "fp8", "--window", "4",
+            "--batch", "2"]
+    assert tune.main(argv) == 0
+    assert "standard L4 read fp8 bf16" in capsys.readouterr().out
+    entries = tuning.read_entries(tuning.user_file())
+    assert len(entries) == 2 and sum("fp8" in json.dumps(e) for e in entries) == 1
+
+    seen = []
+    monkeypatch.setattr(kernels_host, "compile_mamba2", lambda shape, cfg: seen.append((shape.read_copy, cfg)) or object())
+    for read in ("fp8", None):
+        cache = Mamba2Cache(4, 2, 16, 32, 1, window=4, device="meta", read_copy=read)
+        kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 2)
+    assert seen == [("fp8", Mamba2Config(16, 1, 0)), (None, Mamba2Config(16, 1, 0))]
+
+
 def test_out_file_that_cannot_take_the_winners_fails_before_tuning(monkeypatch, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something else"}')

@@ -8,7 +8,7 @@ A tuned-config file is JSON (``python -m replayssm_cute.tune`` writes it)::
        {"device": "NVIDIA H200", "arch": "sm_90a", "package": "0.1.0", "cutlass": "4.8.1",
         "kernel": "mamba2_decode",
         "shape": {"nheads": 128, "headdim": 64, "dstate": 128, "ngroups": 8},
-        "dtype": "bf16", "mode": "standard", "window": 16, "num_drafts": 0, "batch": 64,
+        "dtype": "bf16", "mode": "standard", "window": 16, "num_drafts": 0, "state": "fp32", "batch": 64,
         "config": {"rows_per_cta": 64, "num_warps": 4, "min_ctas_per_sm": 0},
         "time_us": 87.4, "tbps": 3.41, "default_config": {...}, "default_time_us": 88.1,
         "speedup": 1.008, "candidates": 41, "model": "nemotron-super", "tuned_at": "..."}]}
@@ -18,7 +18,9 @@ the tuner measured. ``kernel`` is mamba2_decode, gdn_decode, mamba2_verify or gd
 ``shape`` the layer dims as the kernel shape names them; ``dtype`` the activation dtype (the
 other inputs' dtypes move a few bytes per row and do not change the best tiling); ``mode`` is
 conventional (window 1), standard (ReplaySSM decode at ``window``) or verify (``num_drafts`` T
-drafts at ``window``); ``batch`` a bucket, a power of two up to 1024. The ring capacity and the
+drafts at ``window``); ``state`` the state copies (``state_of``: "fp32", or the checkpoint format
+with "+" the read copy and "+rederive" for GDN re-deriving at a flush; "fp32" when absent, as
+in files written before it); ``batch`` a bucket, a power of two up to 1024. The ring capacity and the
 optional inputs (D, z, dt_bias, pad sentinel, ...) are not part of the key: a tuned config is
 checked against the exact kernel shape before use.
 
@@ -65,7 +67,8 @@ LAYER_DIMS = {
 }
 DTYPE_NAMES = {"BFloat16": "bf16", "Float16": "fp16", "Float32": "fp32"}  # cutlass class -> key
 KEY_FIELDS = ("device", "arch", "package", "cutlass", "kernel", "shape", "dtype", "mode", "window",
-              "num_drafts", "batch")
+              "num_drafts", "state", "batch")
+PLAIN_STATE = "fp32"
 
 _table: Optional[Dict["TuneKey", Dict[int, dict]]] = None
 _warned: set = set()
@@ -97,6 +100,7 @@ class TuneKey:
     mode: str
     window: int
     num_drafts: int
+    state: str = PLAIN_STATE
 
     def fields(self, batch: int) -> dict:
         """The key fields of an entry at `batch`, in file order."""
@@ -129,6 +133,17 @@ def mode_of(kernel: str, window: int) -> str:
     return "conventional" if window == 1 else "standard"
 
 
+def state_of(shape) -> str:
+    """The state copies of a kernel shape as a key: the checkpoint format, "+" the read copy if
+    any, "+rederive" for GDN corrections re-derived at a flush ("fp32" for the plain cache)."""
+    state = getattr(shape, "checkpoint_format", PLAIN_STATE)
+    if getattr(shape, "read_copy", None) is not None:
+        state += "+" + shape.read_copy
+    if getattr(shape, "rederive", False):
+        state += "+rederive"
+    return state
+
+
 def tune_key(kernel: str, shape, num_drafts: int, platform: Platform) -> TuneKey:
     """The key of `kernel` (one of KERNELS) on its kernel shape (a Mamba2Shape or GDNShape) with
     T = `num_drafts` drafts (0 for decode), measured on `platform`."""
@@ -136,7 +151,7 @@ def tune_key(kernel: str, shape, num_drafts: int, platform: Platform) -> TuneKey
     dims = tuple((name, int(getattr(shape, name))) for name in LAYER_DIMS[layer])
     dtype = DTYPE_NAMES[shape.act_dtype.__name__]
     return TuneKey(platform.device, platform.arch, platform.package, platform.cutlass, kernel, dims, dtype,
-                   mode_of(kernel, shape.window), int(shape.window), int(num_drafts))
+                   mode_of(kernel, shape.window), int(shape.window), int(num_drafts), state_of(shape))
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,8 +221,11 @@ def parse_entry(entry) -> Tuple[TuneKey, int, dict]:
     config = entry.get("config")
     if not isinstance(config, dict) or not config or any(type(v) is not int for v in config.values()):
         raise ValueError(f"entry field 'config': expected an object of integer launch parameters, got {config!r}")
+    state = entry.get("state", PLAIN_STATE)
+    if not isinstance(state, str):
+        raise ValueError(f"entry field 'state': expected a string, got {state!r}")
     key = TuneKey(entry["device"], entry["arch"], entry["package"], entry["cutlass"], kernel,
-                  tuple((n, shape[n]) for n in dim_names), entry["dtype"], entry["mode"], window, num_drafts)
+                  tuple((n, shape[n]) for n in dim_names), entry["dtype"], entry["mode"], window, num_drafts, state)
     return key, batch, dict(config)
 
 
