@@ -282,7 +282,10 @@ def _cache_like(shape):
     make, so the compile-cache keys are theirs."""
     from types import SimpleNamespace
 
-    fields = dict(window=shape.window, capacity=shape.capacity, pad_slot_id=shape.pad_slot_id)
+    fields = dict(window=shape.window, capacity=shape.capacity, pad_slot_id=shape.pad_slot_id,
+                  checkpoint_format=getattr(shape, "checkpoint_format", "fp32"),
+                  read_copy_format=getattr(shape, "read_copy", None),
+                  flush_corrections="rederive" if getattr(shape, "rederive", False) else "fold")
     if hasattr(shape, "nheads"):  # Mamba2Shape
         fields.update(nheads=shape.nheads, headdim=shape.headdim, dstate=shape.dstate,
                       ngroups=shape.ngroups, dtype=_torch_dtype(shape.act_dtype))
