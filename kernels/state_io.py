@@ -22,7 +22,9 @@ whole head's state in one CTA.
 
 Conversions: RTN into fp16 and E4M3 and E4M3 decoding use the hardware conversions of every
 target (``cvt.rn.f16.f32``, ``cvt.rn.satfinite.e4m3x2.f32``, ``cvt.rn.f16x2.e4m3x2``: quant's
-RTN exactly, NaN mapped to its code); E2M1 and every SR rounding are software on every target.
+RTN exactly, NaN mapped to its code); E2M1 decoding uses ``cvt.rn.f16x2.e2m1x2`` on sm_100a /
+sm_103a and software on sm_90a (the same values either way: E2M1 is exact in fp16); E2M1 RTN
+and every SR rounding are software on every target.
 sm_90a has neither ``cvt.rs`` nor E2M1 conversions; on sm_100a / sm_103a ``cvt.rs`` takes 13
 random bits per fp16 element and shares one 32-bit word between the elements of an E4M3 / E2M1
 quad (PTX ISA, ``cvt``), so it cannot draw quant's independent 32 bits per element and no
@@ -290,6 +292,25 @@ def _e4m3_pair_values(pair: Int32, *, loc=None, ip=None):
     return lo, hi
 
 
+@dsl_user_op
+def _e2m1_pair_values(byte: Int32, *, loc=None, ip=None):
+    """The values of the two E2M1 codes of a byte (low nibble first) by the hardware conversion
+    (sm_100a / sm_103a; exact, as ``_e2m1_value``)."""
+    halves = ptx_op(Int32, [Int32(byte)], "{ .reg .b8 p; cvt.u8.u32 p, $1; cvt.rn.f16x2.e2m1x2 $0, p; }",
+                    "=r,r", loc, ip)
+    lo = ptx_op(Float32, [halves], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l; }", "=f,r", loc, ip)
+    hi = ptx_op(Float32, [halves], "{ .reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h; }", "=f,r", loc, ip)
+    return lo, hi
+
+
+def has_e2m1_conversion() -> bool:
+    """Whether the target compiled for (compile_cache.target_arch, as the compile options) has
+    the E2M1 conversions: sm_100a / sm_103a do, sm_90a does not."""
+    from ..compile_cache import target_arch
+
+    return target_arch() in ("sm_100a", "sm_103a")
+
+
 @cute.jit
 def _e2m1_value(nibble: Int32) -> Float32:
     """The value of an E2M1 code (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
@@ -378,8 +399,13 @@ def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Fl
         cute.autovec_copy(src, rB)
         for v in cutlass.range_constexpr(vec // 2):
             byte = Int32(rB[v])
-            out[2 * v] = _e2m1_value(byte & 0xF) * scale
-            out[2 * v + 1] = _e2m1_value(byte >> 4) * scale
+            if cutlass.const_expr(has_e2m1_conversion()):
+                lo, hi = _e2m1_pair_values(byte)
+                out[2 * v] = lo * scale
+                out[2 * v + 1] = hi * scale
+            else:
+                out[2 * v] = _e2m1_value(byte & 0xF) * scale
+                out[2 * v + 1] = _e2m1_value(byte >> 4) * scale
 
 
 @cute.jit

@@ -1,7 +1,8 @@
 """Compile-only checks of the decode kernels' low-precision variants (tests/_lowprec_kernels.py) for
 sm_90a, sm_100a and sm_103a: every variant builds for the target without local memory, rounds to
-nearest with the hardware conversions (fp16 / E4M3 writes, E4M3 reads) and stochastically with
-the software generator (two fmix32 multiplies) where it writes a low-precision checkpoint."""
+nearest with the hardware conversions (fp16 / E4M3 writes, E4M3 reads; E2M1 reads on sm_100a /
+sm_103a) and stochastically with the software generator (two fmix32 multiplies) where it writes a
+low-precision checkpoint."""
 
 import os
 import re
@@ -37,5 +38,7 @@ def test_low_precision_decode_variants_compile_for_every_target(arch, tmp_path):
             assert ptx.count("mul.lo.s32") + ptx.count("mul.lo.u32") >= 4, name
         if "nvfp4" in (ckpt, read):
             assert "max.NaN.f32" in ptx, name  # the whole-state amax
+            # E2M1 decodes by the hardware conversion where the target has it, else in software
+            assert ("cvt.rn.f16x2.e2m1x2" in ptx) == (arch != "sm_90a"), name
         if name.endswith("rederive"):
             assert "bar.sync" in ptx, name  # the CTA shares the keys' Gram matrix
