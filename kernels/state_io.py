@@ -43,7 +43,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import f32_asm, ptx_op
+from .common import f32_asm, make_row_tma, ptx_op, start_tile_loads
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
@@ -425,6 +425,127 @@ def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, 
     else:
         scale = smem_scale(ckpt, sEntryScale, warp, r, lane * vec, entry_state_scale)
         decode_slice(ckpt, cute.local_tile(sEntry[r, None, warp], (ckpt.per_lane(vec),), (lane,)), scale, out)
+
+
+def make_copy_tmas(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, rows_per_warp: int):
+    """Host side of a decode kernel's state loads: TMA atoms over a copy viewed as (slots *
+    rows_per_slot, cols) rows, so a box is one warp's state rows. Returns (entry atom, entry
+    coordinates, checkpoint atom, checkpoint coordinates): every step loads the read copy (else the
+    checkpoint) at entry; next to a read copy a flush loads the checkpoint apart (None otherwise)."""
+
+    def rows_tma(m: cute.Tensor, cols: int):
+        return make_row_tma(cute.make_tensor(m.iterator, cute.make_layout(
+            (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), rows_per_warp, cols)
+
+    entry = mRead if copies.separate else mCheckpoint
+    tma_entry, mEntryTma = rows_tma(entry, copies.entry.cols)
+    tma_ckpt, mCkptTma = None, None
+    if copies.separate:
+        tma_ckpt, mCkptTma = rows_tma(mCheckpoint, copies.checkpoint.cols)
+    return tma_entry, mEntryTma, tma_ckpt, mCkptTma
+
+
+@cute.jit
+def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
+                      first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
+                      mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+    """A decode kernel's state copies at entry: allocates the low-precision tiles (an fp32
+    checkpoint lands in the work tile ``sState`` itself), issues the entry tile's TMA loads (the
+    read copy, else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows'
+    scales per warp and reads the SR write key. Returns (sEntry, sCkpt, mbarCkpt, sAmax,
+    sEntryScale, entry_state_scale, sr_key, sr_count): where a flush finds the checkpoint and the
+    mbarriers of its own load (next to a read copy, without a light tile), the CTA's amax slots
+    (nvfp4), and the SR counter read before the write."""
+    entry_fmt, ckpt_fmt = copies.entry, copies.checkpoint
+    tidx, _, _ = cute.arch.thread_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    sEntry = sState
+    if cutlass.const_expr(entry_fmt.low_precision):
+        sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
+            (rows, entry_fmt.cols, warps), stride=(entry_fmt.cols, 1, rows * entry_fmt.cols)), byte_alignment=128)
+    sCkpt = sEntry
+    mbarCkpt = mbar
+    if cutlass.const_expr(copies.separate and not copies.light):
+        mbarCkpt = smem.allocate_array(Int64, warps, byte_alignment=8)
+        sCkpt = sState
+        if cutlass.const_expr(ckpt_fmt.low_precision):
+            sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
+                (rows, ckpt_fmt.cols, warps), stride=(ckpt_fmt.cols, 1, rows * ckpt_fmt.cols)), byte_alignment=128)
+        if tidx == 0:
+            for st in cutlass.range_constexpr(warps):
+                cute.arch.mbarrier_init(mbarCkpt + st, 1)
+    sAmax = None
+    if cutlass.const_expr(copies.whole_state):
+        sAmax = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
+    start_tile_loads(tma_entry, mEntryTma, sEntry, mbar, first_box, warps, rows * entry_fmt.row_bytes)
+    sEntryScale = None
+    entry_state_scale = Float32(1.0)
+    if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+        sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
+            (rows, entry_fmt.scales_per_row, warps), stride=(entry_fmt.scales_per_row, 1, rows * entry_fmt.scales_per_row)),
+            byte_alignment=16)
+        mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
+        stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, head, first_row)
+        if cutlass.const_expr(entry_fmt.has_state_scale):
+            mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
+            entry_state_scale = mEntryState[slot64, head]
+    sr_key = Uint32(0)
+    sr_count = Int32(0)
+    if cutlass.const_expr(copies.stochastic):
+        sr_count = mSrCounter[slot]
+        sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
+    return sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count
+
+
+@cute.jit
+def fold_row(rS: cute.Tensor, gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor,
+             sKeys: cute.Tensor, r: Int32, ring: cutlass.Constexpr[bool]):
+    """A flush's fold of warp row ``r`` in registers (lane r holds its coefficients):
+    ``S = gamma S + own_r k + sum_p coef_p[r] k_p`` over this token (key ``rOwnKey``) and the ring
+    positions (keys ``sKeys`` (cap, K), coefficient ``rCoefs[p]``, zero where p holds no record)."""
+    vec = cute.size(rS)
+    lane = cute.arch.lane_idx()
+    coef = cute.arch.shuffle_sync(own, r)
+    for v in cutlass.range_constexpr(vec):
+        rS[v] = gamma * rS[v] + coef * rOwnKey[v].to(Float32)
+    if cutlass.const_expr(ring):
+        for p in cutlass.range_constexpr(cute.size(rCoefs)):
+            coef_p = cute.arch.shuffle_sync(rCoefs[p], r)
+            rKey = cute.make_rmem_tensor((vec,), sKeys.element_type)
+            cute.autovec_copy(cute.local_tile(sKeys[p, None], (vec,), (lane,)), rKey)
+            for v in cutlass.range_constexpr(vec):
+                rS[v] = rS[v] + coef_p * rKey[v].to(Float32)
+
+
+@cute.jit
+def ring_coefficients(w_j: Float32, rValues: cute.Tensor, origin: Int32, h: Int32, out: cute.Tensor):
+    """``out[p]`` = w_j (p's record j) x ``rValues[p]`` for each ring position p holding a committed
+    record (j < h), else 0: this lane's row's fold coefficients (``fold_row``)."""
+    cap = cute.size(out)
+    for p in cutlass.range_constexpr(cap):
+        j_p = (p - origin + cap) % cap
+        w_p = cute.arch.shuffle_sync(w_j, j_p)
+        out[p] = cutlass.select_(j_p < h, w_p * rValues[p], Float32(0.0))
+
+
+@cute.jit
+def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, mCheckpointScale, mRead,
+                 mReadScale, slot: Int64, head: Int32, row: Int32, state_scale: Float32, key: Uint32):
+    """One fp32 state row (the lane's ``values``), cast independently into each copy: SR into a
+    low-precision checkpoint, RTN into the read copy (``encode_store``)."""
+    vec = cute.size(values)
+    lane = cute.arch.lane_idx()
+    rows_per_head = mCheckpoint.shape[2]
+    first = (head * rows_per_head + row) * copies.K + lane * vec  # the flat index of the SR bits
+    ckpt = copies.checkpoint
+    encode_store(ckpt, copies.stochastic, values, cute.local_tile(
+        mCheckpoint[slot, head, row, None], (ckpt.per_lane(vec),), (lane,)), mCheckpointScale, slot, head, row,
+        lane * vec, state_scale, key, first)
+    if cutlass.const_expr(copies.separate):
+        encode_store(copies.read, False, values, cute.local_tile(
+            mRead[slot, head, row, None], (copies.read.per_lane(vec),), (lane,)), mReadScale, slot, head, row,
+            lane * vec, state_scale, key, first)
 
 
 # ----------------------------------------------------------------------------- writing

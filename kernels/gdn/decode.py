@@ -56,14 +56,13 @@ from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit,
-                      start_tile_loads, warp_reduce_many)
+from ..common import issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, encode_store, load_scale, smem_scale, sr_write_key,
-                        stage_scales, tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, fold_row, load_scale, ring_coefficients, smem_scale,
+                        make_copy_tmas, start_state_loads, store_copies, tile_state_scale)
 from .common import gdn_gates, normalize_qk
 
 
@@ -341,18 +340,8 @@ class GDNDecode:
     ):
         s, c = self.shape, self.config
         HV, V = s.num_v_heads, s.head_v_dim
-        copies = s.copies
-        # A copy as (slots * HV * V, cols) rows so a TMA box is one warp's state rows: every step
-        # loads the read copy (else the checkpoint) at entry; a flush the checkpoint apart.
-        entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
-        tma_entry, mEntryTma = make_row_tma(cute.make_tensor(entry.iterator, cute.make_layout(
-            (entry.shape[0] * (HV * V), copies.entry.cols), stride=(copies.entry.cols, 1))), c.rows_per_warp,
-            copies.entry.cols)
-        tma_ckpt, mCkptTma = None, None
-        if cutlass.const_expr(copies.separate):
-            cols = copies.checkpoint.cols
-            tma_ckpt, mCkptTma = make_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
-                (mCheckpoint.shape[0] * (HV * V), cols), stride=(cols, 1))), c.rows_per_warp, cols)
+        tma_entry, mEntryTma, tma_ckpt, mCkptTma = make_copy_tmas(s.copies, mCheckpoint, mRead, HV * V,
+                                                                  c.rows_per_warp)
         launch_tiles(self.kernel(
             tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals, mCheckpointScale,
@@ -438,44 +427,11 @@ class GDNDecode:
             # The keys at every ring position, staged once so a flush folds without another load.
             sKeys = smem.allocate_tensor(act, cute.make_layout((cap, K), stride=(K, 1)), byte_alignment=16)
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
-            # row; an fp32 checkpoint lands in the work tile itself.
-            sEntry = sState
-            if cutlass.const_expr(entry_fmt.low_precision):
-                sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
-                    (RW, entry_fmt.cols, W), stride=(entry_fmt.cols, 1, RW * entry_fmt.cols)), byte_alignment=128)
-            sCkpt = sEntry  # where a flush finds the checkpoint
-            mbarCkpt = mbar
-            if cutlass.const_expr(copies.separate and not light):
-                mbarCkpt = smem.allocate_array(Int64, W, byte_alignment=8)
-                sCkpt = sState
-                if cutlass.const_expr(ckpt_fmt.low_precision):
-                    sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
-                        (RW, ckpt_fmt.cols, W), stride=(ckpt_fmt.cols, 1, RW * ckpt_fmt.cols)), byte_alignment=128)
-                if tidx == 0:
-                    for st in cutlass.range_constexpr(W):
-                        cute.arch.mbarrier_init(mbarCkpt + st, 1)
-            sAmax = None
-            if cutlass.const_expr(copies.whole_state):
-                sAmax = smem.allocate_tensor(Float32, cute.make_layout(W), byte_alignment=16)
+            # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-            start_tile_loads(tma_entry, mEntryTma, sEntry, mbar, first_box, W, RW * entry_fmt.row_bytes)
-            # The entry rows' scales (fp8 / nvfp4), staged per warp at entry.
-            sEntryScale = None
-            entry_state_scale = Float32(1.0)
-            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
-                sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
-                    (RW, entry_fmt.scales_per_row, W), stride=(entry_fmt.scales_per_row, 1, RW * entry_fmt.scales_per_row)),
-                    byte_alignment=16)
-                mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
-                stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, vhead, i_warp)
-                if cutlass.const_expr(entry_fmt.has_state_scale):
-                    mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
-                    entry_state_scale = mEntryState[slot64, vhead]
-            sr_key = Uint32(0)
-            sr_count = Int32(0)
-            if cutlass.const_expr(copies.stochastic):
-                sr_count = mSrCounter[slot]
-                sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
+            sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+                copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, i_warp, slot, slot64, vhead,
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
             sGram, sSk, sUre, sV = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -670,33 +626,14 @@ class GDNDecode:
                     # Row by row in registers from the checkpoint: S = gamma S + u k + sum_j
                     # (w_j u_j[i]) k_j, then every copy of the row.
                     rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
-                    for p in cutlass.range_constexpr(cap):
-                        j_p = (p - origin + cap) % cap
-                        w_p = cute.arch.shuffle_sync(w_j, j_p)
-                        rCoefs[p] = cutlass.select_(j_p < h, w_p * rU[p], Float32(0.0))
+                    ring_coefficients(w_j, rU, origin, h, rCoefs)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
-                        row_i = i_warp + r
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
                                        sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
-                        coef = cute.arch.shuffle_sync(u, r)
-                        for e in cutlass.range_constexpr(vec):
-                            rS[e] = gamma * rS[e] + coef * rK[e]
-                        if cutlass.const_expr(L > 1):
-                            for p in cutlass.range_constexpr(cap):
-                                coef_p = cute.arch.shuffle_sync(rCoefs[p], r)
-                                rKs = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sKeys[p, None], (vec,), (lane,)), rKs)
-                                for e in cutlass.range_constexpr(vec):
-                                    rS[e] = rS[e] + coef_p * rKs[e].to(Float32)
-                        first = (vhead * V + row_i) * K + lane * vec
-                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
-                            mCheckpoint[slot64, vhead, row_i, None], (ckpt_fmt.per_lane(vec),), (lane,)),
-                            mCheckpointScale, slot64, vhead, row_i, lane * vec, Float32(1.0), sr_key, first)
-                        if cutlass.const_expr(copies.separate):
-                            encode_store(copies.read, False, rS, cute.local_tile(
-                                mRead[slot64, vhead, row_i, None], (copies.read.per_lane(vec),), (lane,)),
-                                mReadScale, slot64, vhead, row_i, lane * vec, Float32(1.0), sr_key, first)
+                        fold_row(rS, gamma, u, rK, rCoefs, sKeys, r, L > 1)
+                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, vhead,
+                                     i_warp + r, Float32(1.0), sr_key)
             else:
                 if flush:
                     # Fold in place in shared memory, JC items per pass (their keys in registers),
@@ -758,15 +695,8 @@ class GDNDecode:
                         for r in cutlass.range(RW, unroll=2):
                             rS = cute.make_rmem_tensor((vec,), Float32)
                             cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                            row_i = i_warp + r
-                            first = (vhead * V + row_i) * K + lane * vec
-                            encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
-                                mCheckpoint[slot64, vhead, row_i, None], (ckpt_fmt.per_lane(vec),), (lane,)),
-                                mCheckpointScale, slot64, vhead, row_i, lane * vec, state_scale, sr_key, first)
-                            if cutlass.const_expr(copies.separate):
-                                encode_store(copies.read, False, rS, cute.local_tile(
-                                    mRead[slot64, vhead, row_i, None], (copies.read.per_lane(vec),), (lane,)),
-                                    mReadScale, slot64, vhead, row_i, lane * vec, state_scale, sr_key, first)
+                            store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64,
+                                         vhead, i_warp + r, state_scale, sr_key)
 
             if cutlass.const_expr(counted):
                 # The last CTA of this row to finish advances the cursor (and the SR write

@@ -52,14 +52,14 @@ from typing import List, Optional, Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (issue_tile_loads, launch_tiles, make_row_tma, pow2_at_least, slot_is_live, smem_fit, softplus,
-                      start_tile_loads, warp_reduce_many, warp_sum)
+from ..common import (issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus,
+                      warp_reduce_many, warp_sum)
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, encode_store, load_scale, smem_scale, sr_write_key,
-                        stage_scales, tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, fold_row, load_scale, ring_coefficients, smem_scale,
+                        make_copy_tmas, start_state_loads, store_copies, tile_state_scale)
 
 
 @dataclass(frozen=True)
@@ -198,18 +198,8 @@ class Mamba2Decode:
     ):
         s, c = self.shape, self.config
         H, P = s.nheads, s.headdim
-        copies = s.copies
-        # A copy as (slots * H * P, cols) rows so a TMA box is one warp's state rows: every step
-        # loads the read copy (else the checkpoint) at entry; a flush the checkpoint apart.
-        entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
-        tma_entry, mEntryTma = make_row_tma(cute.make_tensor(entry.iterator, cute.make_layout(
-            (entry.shape[0] * (H * P), copies.entry.cols), stride=(copies.entry.cols, 1))), c.rows_per_warp,
-            copies.entry.cols)
-        tma_ckpt, mCkptTma = None, None
-        if cutlass.const_expr(copies.separate):
-            cols = copies.checkpoint.cols
-            tma_ckpt, mCkptTma = make_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
-                (mCheckpoint.shape[0] * (H * P), cols), stride=(cols, 1))), c.rows_per_warp, cols)
+        tma_entry, mEntryTma, tma_ckpt, mCkptTma = make_copy_tmas(s.copies, mCheckpoint, mRead, H * P,
+                                                                  c.rows_per_warp)
         launch_tiles(self.kernel(
             tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
             mOut, mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals, mCheckpointScale, mCheckpointStateScale,
@@ -290,44 +280,11 @@ class Mamba2Decode:
             sBC = smem.allocate_tensor(Float32, cute.make_layout(cap), byte_alignment=16)
             sB = smem.allocate_tensor(act, cute.make_layout((cap, N), stride=(N, 1)), byte_alignment=16)
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
-            # row; an fp32 checkpoint lands in the work tile itself.
-            sEntry = sState
-            if cutlass.const_expr(entry_fmt.low_precision):
-                sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
-                    (RW, entry_fmt.cols, W), stride=(entry_fmt.cols, 1, RW * entry_fmt.cols)), byte_alignment=128)
-            sCkpt = sEntry  # where a flush finds the checkpoint
-            mbarCkpt = mbar
-            if cutlass.const_expr(copies.separate and not light):
-                mbarCkpt = smem.allocate_array(Int64, W, byte_alignment=8)
-                sCkpt = sState
-                if cutlass.const_expr(ckpt_fmt.low_precision):
-                    sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
-                        (RW, ckpt_fmt.cols, W), stride=(ckpt_fmt.cols, 1, RW * ckpt_fmt.cols)), byte_alignment=128)
-                if tidx == 0:
-                    for st in cutlass.range_constexpr(W):
-                        cute.arch.mbarrier_init(mbarCkpt + st, 1)
-            sAmax = None
-            if cutlass.const_expr(copies.whole_state):
-                sAmax = smem.allocate_tensor(Float32, cute.make_layout(W), byte_alignment=16)
+            # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-            start_tile_loads(tma_entry, mEntryTma, sEntry, mbar, first_box, W, RW * entry_fmt.row_bytes)
-            # The entry rows' scales (fp8 / nvfp4), staged per warp at entry.
-            sEntryScale = None
-            entry_state_scale = Float32(1.0)
-            if cutlass.const_expr(entry_fmt.scale_dtype is not None):
-                sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
-                    (RW, entry_fmt.scales_per_row, W), stride=(entry_fmt.scales_per_row, 1, RW * entry_fmt.scales_per_row)),
-                    byte_alignment=16)
-                mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
-                stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, head, p_warp)
-                if cutlass.const_expr(entry_fmt.has_state_scale):
-                    mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
-                    entry_state_scale = mEntryState[slot64, head]
-            sr_key = Uint32(0)
-            sr_count = Int32(0)
-            if cutlass.const_expr(copies.stochastic):
-                sr_count = mSrCounter[slot]
-                sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
+            sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+                copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, p_warp, slot, slot64, head,
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is
@@ -446,34 +403,15 @@ class Mamba2Decode:
                     # (w_j x_j[p]) B_j, from the checkpoint (entry tile, or global memory next to
                     # a read copy), then y and every copy of the row.
                     rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
-                    for p in cutlass.range_constexpr(cap):
-                        j_p = (p - origin + cap) % cap
-                        w_p = cute.arch.shuffle_sync(w_j, j_p)
-                        rCoefs[p] = cutlass.select_(j_p < h, w_p * rX[p], Float32(0.0))
+                    ring_coefficients(w_j, rX, origin, h, rCoefs)
                     own = dt_cur * x_cur  # this token's weight: dt exp(0)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
-                        row_p = p_warp + r
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
                                        sEntryScale, entry_state_scale, slot64, head, p_warp, r, rS)
-                        coef = cute.arch.shuffle_sync(own, r)
-                        for v in cutlass.range_constexpr(vec):
-                            rS[v] = gamma * rS[v] + coef * rBa[v].to(Float32)
-                        if cutlass.const_expr(L > 1):
-                            for p in cutlass.range_constexpr(cap):
-                                coef_p = cute.arch.shuffle_sync(rCoefs[p], r)
-                                rBs = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sB[p, None], (vec,), (lane,)), rBs)
-                                for v in cutlass.range_constexpr(vec):
-                                    rS[v] = rS[v] + coef_p * rBs[v].to(Float32)
-                        first = (head * P + row_p) * N + lane * vec
-                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
-                            mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
-                            mCheckpointScale, slot64, head, row_p, lane * vec, Float32(1.0), sr_key, first)
-                        if cutlass.const_expr(copies.separate):
-                            encode_store(copies.read, False, rS, cute.local_tile(
-                                mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
-                                mReadScale, slot64, head, row_p, lane * vec, Float32(1.0), sr_key, first)
+                        fold_row(rS, gamma, own, rBa, rCoefs, sB, r, L > 1)
+                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
+                                     p_warp + r, Float32(1.0), sr_key)
                         part = Float32(0.0)
                         for v in cutlass.range_constexpr(vec):
                             part = part + rS[v] * rC[v]
@@ -565,17 +503,8 @@ class Mamba2Decode:
                     else:
                         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                     if flush:
-                        # One fp32 row, cast independently into each copy: SR into a low-precision
-                        # checkpoint, RTN into the read copy.
-                        row_p = p_warp + r
-                        first = (head * P + row_p) * N + lane * vec
-                        encode_store(ckpt_fmt, copies.stochastic, rS, cute.local_tile(
-                            mCheckpoint[slot64, head, row_p, None], (ckpt_fmt.per_lane(vec),), (lane,)),
-                            mCheckpointScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
-                        if cutlass.const_expr(copies.separate):
-                            encode_store(copies.read, False, rS, cute.local_tile(
-                                mRead[slot64, head, row_p, None], (copies.read.per_lane(vec),), (lane,)),
-                                mReadScale, slot64, head, row_p, lane * vec, state_scale, sr_key, first)
+                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
+                                     p_warp + r, state_scale, sr_key)
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
                         part = part + rS[v] * rC[v]
