@@ -6,6 +6,8 @@ indices). Per row, with h and origin as the verify step read them and a = num_ac
 
     if h + T > L (the verify step flushed the h committed records into the checkpoint):
         origin = (origin + h) % cap; cursor = a     (the accepted drafts are records 0..a-1)
+        sr_counter += 1                             (a low-precision checkpoint: the verify
+                                                     step's SR write took the counter's bits)
     else:
         cursor = h + a
 
@@ -20,10 +22,13 @@ Tensor contract (b = batch, S = slots):
 | num_accepted  | (b,)  | int32 | R      | accepted drafts of the row, 1..T                |
 | cursor        | (S,)  | int32 | R / W  |                                                 |
 | origin        | (S,)  | int32 | R / W  |                                                 |
+| sr_counter    | (S,)  | int32 | R / W  | SR writes per slot (stochastic checkpoints only) |
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -38,9 +43,10 @@ class CommitShape:
     capacity: int
     num_drafts: int
     pad_slot_id: int = -1
+    stochastic: bool = False  # an SR checkpoint: a flush advances the slot's write counter
 
     def key(self):
-        return (self.window, self.capacity, self.num_drafts, self.pad_slot_id)
+        return (self.window, self.capacity, self.num_drafts, self.pad_slot_id, self.stochastic)
 
 
 class Commit:
@@ -54,15 +60,16 @@ class Commit:
 
     @cute.jit
     def __call__(self, mSlot: cute.Tensor, mAccepted: cute.Tensor, mCursor: cute.Tensor,
-                 mOrigin: cute.Tensor, stream):
-        self.kernel(mSlot, mAccepted, mCursor, mOrigin).launch(
+                 mOrigin: cute.Tensor, mSrCounter: Optional[cute.Tensor], stream):
+        self.kernel(mSlot, mAccepted, mCursor, mOrigin, mSrCounter).launch(
             grid=[(mSlot.shape[0] + _THREADS - 1) // _THREADS, 1, 1],
             block=[_THREADS, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mSlot: cute.Tensor, mAccepted: cute.Tensor, mCursor: cute.Tensor, mOrigin: cute.Tensor):
+    def kernel(self, mSlot: cute.Tensor, mAccepted: cute.Tensor, mCursor: cute.Tensor, mOrigin: cute.Tensor,
+               mSrCounter: Optional[cute.Tensor]):
         s = self.shape
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -76,6 +83,8 @@ class Commit:
                 if h + s.num_drafts > s.window:
                     mOrigin[slot] = (mOrigin[slot] + h) % s.capacity
                     mCursor[slot] = a
+                    if cutlass.const_expr(s.stochastic):
+                        mSrCounter[slot] = mSrCounter[slot] + 1
                 else:
                     mCursor[slot] = h + a
 
@@ -86,4 +95,5 @@ def compile_commit(shape: CommitShape, options: str):
     batch, slots = cute.sym_int(), cute.sym_int()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     args = [make_fake_compact_tensor(Int32, (n,), assumed_align=4) for n in (batch, batch, slots, slots)]
+    args.append(make_fake_compact_tensor(Int32, (slots,), assumed_align=4) if shape.stochastic else None)
     return cute.compile(Commit(shape), *args, stream, options=options)

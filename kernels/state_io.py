@@ -171,6 +171,16 @@ class StateCopies:
             extra += 4 * warps
         return extra
 
+    def work_tile_smem_bytes(self, rows: int, warps: int) -> int:
+        """Shared memory beyond the fp32 work tile of a kernel that decodes its entry into it
+        (``fill_work_tile``): the low-precision entry tile, its scales and nvfp4's amax slots."""
+        extra = 0
+        if self.entry.low_precision:
+            extra += rows * self.entry.row_bytes + 128 + self.entry.scale_smem_bytes(rows)
+        if self.whole_state:
+            extra += 4 * warps
+        return extra
+
     def check(self, vec: int, rows_per_cta: int, rows_per_head: int) -> Optional[str]:
         if self.read_copy is not None and self.window == 1:
             return "a read copy needs a ring (window > 1)"
@@ -183,6 +193,37 @@ class StateCopies:
         if self.whole_state and rows_per_cta != rows_per_head:
             return f"nvfp4 copies are written by one CTA per head: rows_per_cta must be {rows_per_head}"
         return None
+
+
+def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict:
+    """Compile-time stand-ins of a kernel's state-copy arguments as the API passes them (symbolic
+    ``slots``; (slots, heads, rows, cols) data): the checkpoint and its scales, the read copy and
+    its scales, the SR seed and counter, None where the configuration has none."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def compact(dtype, dims, align=16):
+        return make_fake_compact_tensor(dtype, dims, stride_order=tuple(reversed(range(len(dims)))),
+                                        assumed_align=align)
+
+    def copy_tensors(fmt):
+        if fmt is None:
+            return None, None, None
+        return (compact(fmt.storage, (slots, heads, rows, fmt.cols)),
+                compact(fmt.scale_dtype, (slots, heads, rows, fmt.scales_per_row), align=4) if fmt.scale_dtype else None,
+                compact(Float32, (slots, heads), align=4) if fmt.has_state_scale else None)
+
+    ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
+    read, read_scale, read_state_scale = copy_tensors(copies.read)
+    return dict(
+        mCheckpoint=ckpt,
+        mCheckpointScale=ckpt_scale,
+        mCheckpointStateScale=ckpt_state_scale,
+        mRead=read,
+        mReadScale=read_scale,
+        mReadStateScale=read_state_scale,
+        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
+        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
+    )
 
 
 # ----------------------------------------------------------------------------- PTX steps
@@ -427,21 +468,22 @@ def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, 
         decode_slice(ckpt, cute.local_tile(sEntry[r, None, warp], (ckpt.per_lane(vec),), (lane,)), scale, out)
 
 
+def copy_rows_tma(m: cute.Tensor, cols: int, rows_per_slot: int, box_rows: int):
+    """TMA atom and coordinates over a copy (slots, heads, rows, cols) viewed as (slots *
+    rows_per_slot, cols) rows, so a box is ``box_rows`` consecutive state rows (one warp's)."""
+    return make_row_tma(cute.make_tensor(m.iterator, cute.make_layout(
+        (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), box_rows, cols)
+
+
 def make_copy_tmas(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, rows_per_warp: int):
-    """Host side of a decode kernel's state loads: TMA atoms over a copy viewed as (slots *
-    rows_per_slot, cols) rows, so a box is one warp's state rows. Returns (entry atom, entry
+    """Host side of a decode kernel's state loads (``copy_rows_tma``). Returns (entry atom, entry
     coordinates, checkpoint atom, checkpoint coordinates): every step loads the read copy (else the
     checkpoint) at entry; next to a read copy a flush loads the checkpoint apart (None otherwise)."""
-
-    def rows_tma(m: cute.Tensor, cols: int):
-        return make_row_tma(cute.make_tensor(m.iterator, cute.make_layout(
-            (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), rows_per_warp, cols)
-
     entry = mRead if copies.separate else mCheckpoint
-    tma_entry, mEntryTma = rows_tma(entry, copies.entry.cols)
+    tma_entry, mEntryTma = copy_rows_tma(entry, copies.entry.cols, rows_per_slot, rows_per_warp)
     tma_ckpt, mCkptTma = None, None
     if copies.separate:
-        tma_ckpt, mCkptTma = rows_tma(mCheckpoint, copies.checkpoint.cols)
+        tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, copies.checkpoint.cols, rows_per_slot, rows_per_warp)
     return tma_entry, mEntryTma, tma_ckpt, mCkptTma
 
 
@@ -449,14 +491,17 @@ def make_copy_tmas(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_pe
 def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
                       first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
                       mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
-    """A decode kernel's state copies at entry: allocates the low-precision tiles (an fp32
-    checkpoint lands in the work tile ``sState`` itself), issues the entry tile's TMA loads (the
-    read copy, else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows'
-    scales per warp and reads the SR write key. Returns (sEntry, sCkpt, mbarCkpt, sAmax,
-    sEntryScale, entry_state_scale, sr_key, sr_count): where a flush finds the checkpoint and the
-    mbarriers of its own load (next to a read copy, without a light tile), the CTA's amax slots
-    (nvfp4), and the SR counter read before the write."""
+                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
+                      flush_tile: cutlass.Constexpr[bool]):
+    """A kernel's state copies at entry: allocates the low-precision tiles (an fp32 checkpoint
+    lands in the work tile ``sState`` itself), issues the entry tile's TMA loads (the read copy,
+    else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows' scales per
+    warp and reads the SR write key. ``flush_tile``: next to a read copy a flush loads the
+    checkpoint into a tile of its own (a decode kernel without a light tile), else it reads
+    checkpoint rows from global memory (``checkpoint_row``). Returns (sEntry, sCkpt, mbarCkpt,
+    sAmax, sEntryScale, entry_state_scale, sr_key, sr_count): where a flush finds the checkpoint and
+    the mbarriers of its own load, the CTA's amax slots (nvfp4), and the SR counter read before
+    the write."""
     entry_fmt, ckpt_fmt = copies.entry, copies.checkpoint
     tidx, _, _ = cute.arch.thread_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -466,7 +511,7 @@ def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar
             (rows, entry_fmt.cols, warps), stride=(entry_fmt.cols, 1, rows * entry_fmt.cols)), byte_alignment=128)
     sCkpt = sEntry
     mbarCkpt = mbar
-    if cutlass.const_expr(copies.separate and not copies.light):
+    if cutlass.const_expr(copies.separate and flush_tile):
         mbarCkpt = smem.allocate_array(Int64, warps, byte_alignment=8)
         sCkpt = sState
         if cutlass.const_expr(ckpt_fmt.low_precision):
@@ -546,6 +591,60 @@ def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mC
         encode_store(copies.read, False, values, cute.local_tile(
             mRead[slot, head, row, None], (copies.read.per_lane(vec),), (lane,)), mReadScale, slot, head, row,
             lane * vec, state_scale, key, first)
+
+
+@cute.jit
+def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, sEntry, sEntryScale,
+                   entry_state_scale: Float32, flush, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
+                   slot: Int64, head: Int32, first_row: Int32):
+    """The warp's rows of the fp32 work tile ``sState`` (rows, >= K, warps) decoded from its
+    low-precision entry tile (landed: the caller waited on its mbarrier), or on a flush from the
+    checkpoint (``checkpoint_row``: the entry tile itself, or global memory next to a read copy),
+    so that the fp32 tile code of a kernel runs unchanged on any cache."""
+    entry = copies.entry
+    rows = cute.size(sEntry, mode=[0])
+    vec = copies.K // 32
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    if cutlass.const_expr(entry.scale_dtype is not None):
+        cute.arch.sync_warp()  # the staged scales
+    for r in cutlass.range(rows, unroll=4):
+        rS = cute.make_rmem_tensor((vec,), Float32)
+        if flush:
+            checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                           entry_state_scale, slot, head, first_row, r, rS)
+        else:
+            scale = smem_scale(entry, sEntryScale, warp, r, lane * vec, entry_state_scale)
+            decode_slice(entry, cute.local_tile(sEntry[r, None, warp], (entry.per_lane(vec),), (lane,)), scale, rS)
+        cute.autovec_copy(rS, cute.local_tile(sState[r, None, warp], (vec,), (lane,)))
+    cute.arch.sync_warp()
+
+
+@cute.jit
+def store_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, sAmax, mCheckpoint,
+                    mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot: Int64,
+                    head: Int32, first_row: Int32, key: Uint32):
+    """A flush's fp32 state in the work tile ``sState`` (rows, >= K, warps; each warp its rows,
+    the CTA rows first_row - warp * rows ..) written into every copy (``store_copies``), with
+    nvfp4's state scale reduced over the CTA (``sAmax``). Every thread of the CTA calls it."""
+    rows = cute.size(sState, mode=[0])
+    vec = copies.K // 32
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
+    tidx, _, _ = cute.arch.thread_idx()
+    state_scale = Float32(1.0)
+    if cutlass.const_expr(copies.whole_state):
+        state_scale = tile_state_scale(sState, vec, True, sAmax)
+        if tidx == 0:
+            if cutlass.const_expr(copies.checkpoint.has_state_scale):
+                mCheckpointStateScale[slot, head] = state_scale
+            if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
+                mReadStateScale[slot, head] = state_scale
+    for r in cutlass.range(rows, unroll=2):
+        rS = cute.make_rmem_tensor((vec,), Float32)
+        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot, head, first_row + r,
+                     state_scale, key)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -1,8 +1,9 @@
-"""Compile-only checks of the decode kernels' low-precision variants (tests/_lowprec_kernels.py) for
-sm_90a, sm_100a and sm_103a: every variant builds for the target without local memory, rounds to
-nearest with the hardware conversions (fp16 / E4M3 writes, E4M3 reads; E2M1 reads on sm_100a /
-sm_103a) and stochastically with the software generator (two fmix32 multiplies) where it writes a
-low-precision checkpoint."""
+"""Compile-only checks of the decode and verify kernels' low-precision variants
+(tests/_lowprec_kernels.py) for sm_90a, sm_100a and sm_103a: every variant builds for the target
+without local memory, rounds to nearest with the hardware conversions (fp16 / E4M3 writes, E4M3
+reads; E2M1 reads on sm_100a / sm_103a) and stochastically with the software generator (two fmix32
+multiplies) where it writes a low-precision checkpoint; verify kernels load their entry tile with
+TMA; the commit of an SR cache advances the write counter."""
 
 import os
 import re
@@ -17,16 +18,22 @@ sys.path.insert(0, str(HERE))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-def test_low_precision_decode_variants_compile_for_every_target(arch, tmp_path):
-    from _lowprec_kernels import GDN, MAMBA2
+def test_low_precision_variants_compile_for_every_target(arch, tmp_path):
+    from _lowprec_kernels import GDN, GDN_VERIFY, MAMBA2, MAMBA2_VERIFY
 
     env = dict(os.environ, CUTE_DSL_ARCH=arch, REPLAYSSM_CUTE_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, str(HERE / "_lowprec_kernels.py")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("compiled") == len(MAMBA2) + len(GDN)
+    assert proc.stdout.count("compiled") == len(MAMBA2) + len(GDN) + len(MAMBA2_VERIFY) + len(GDN_VERIFY) + 1
+    commit = (tmp_path / "commit_fp16_None_sr.ptx").read_text()
+    assert commit.count("st.global") == 4, "commit: cursor (either branch), origin and the SR counter"
     for path in tmp_path.glob("*.ptx"):
         ptx, name = path.read_text(), path.stem
+        if name.startswith("commit"):
+            continue
+        if "verify" in name:
+            assert "cp.async.bulk.tensor" in ptx and "mma.sync.aligned.m16n8k8" in ptx, name
         assert re.search(rf"^\.target {arch}\b", ptx, re.M), name
         assert ".local" not in ptx, name
         ckpt, read = name.split("_")[1:3]

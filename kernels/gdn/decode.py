@@ -61,8 +61,9 @@ from cutlass.memory import SmemAllocator
 
 from ..common import issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, fold_row, load_scale, ring_coefficients, smem_scale,
-                        make_copy_tmas, start_state_loads, store_copies, tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, fake_copy_tensors, fold_row, load_scale,
+                        make_copy_tmas, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        tile_state_scale)
 from .common import gdn_gates, normalize_qk
 
 
@@ -431,7 +432,8 @@ class GDNDecode:
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
             sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W,
+                not light)
             sGram, sSk, sUre, sV = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -742,18 +744,9 @@ def _fake_inputs(shape: GDNShape):
     keep = replay and shape.keep_v_beta
     copies = shape.copies
 
-    def copy_tensors(fmt):
-        """Data, scale, state scale of a copy in ``fmt`` (None where the format has none)."""
-        if fmt is None:
-            return None, None, None
-        return (compact(fmt.storage, (slots, HV, V, fmt.cols)),
-                compact(fmt.scale_dtype, (slots, HV, V, fmt.scales_per_row), align=4) if fmt.scale_dtype else None,
-                compact(Float32, (slots, HV), align=4) if fmt.has_state_scale else None)
-
-    ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
-    read, read_scale, read_state_scale = copy_tensors(copies.read)
+    state = fake_copy_tensors(copies, slots, HV, V)
     return dict(
-        mCheckpoint=ckpt,
+        mCheckpoint=state.pop("mCheckpoint"),
         mQ=rows(act, (H, K)),
         mK=rows(act, (H, K)),
         mV=rows(act, (HV, V)),
@@ -771,13 +764,7 @@ def _fake_inputs(shape: GDNShape):
         mCursor=compact(Int32, (slots,), align=4) if replay else None,
         mOrigin=compact(Int32, (slots,), align=4) if replay else None,
         mArrivals=compact(Int32, (slots,), align=4) if replay or copies.stochastic else None,
-        mCheckpointScale=ckpt_scale,
-        mCheckpointStateScale=ckpt_state_scale,
-        mRead=read,
-        mReadScale=read_scale,
-        mReadStateScale=read_state_scale,
-        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
-        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
+        **state,
     )
 
 

@@ -22,11 +22,21 @@ commit kernel (``kernels/commit.py``).
 Grid (head_v_dim // rows_per_cta, num_v_heads, batch); 16 rows per warp (the MMA's M), each
 warp's rows one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
 
+Low-precision and two-precision caches (paper Algorithm 6; kernels/state_io.py): the entry tile
+is the read copy (else the low-precision checkpoint), decoded into the fp32 tile, so the GEMMs
+run unchanged and the drafts' corrections come from the read copy; a flushing row decodes the
+recurrence checkpoint instead, folds in the fp32 tile and writes that one fp32 state into every
+copy (SR into a low-precision checkpoint with the bits of sr_counter, which the commit kernel
+advances; RTN into the read copy). With re-derivation (``GDNShape.rederive``) a flush first
+re-derives the committed corrections from the checkpoint (S_ckpt k_j, the keys' Gram matrix and
+the records' v, beta: ``decode.rederive_corrections``) and uses them for the drafts, the outputs
+and the fold, so read-copy rounding never enters the recurrence.
+
 Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act as decode):
 
 | name        | shape              | dtype | access | meaning                                      |
 |-------------|--------------------|-------|--------|----------------------------------------------|
-| checkpoint  | (S, HV, V, K)      | fp32  | R / W on flush |                                      |
+| checkpoint  | (S, HV, V, K)      | fmt   | R / W on flush | format, scales as decode's            |
 | q, k        | (b, T, H, K)       | act   | R      | raw; any row stride                          |
 | v           | (b, T, HV, V)      | act   | R      |                                              |
 | a, b        | (b, T, HV)         | gate  | R      | raw gates                                    |
@@ -35,6 +45,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | out         | (b, T, HV, V)      | act   | W      | o of every draft (pad rows untouched)        |
 | ring_u, ring_k, ring_g (ring_v, ring_beta) | as decode | | R / W | drafts written at (origin + h + s) % cap |
 | cursor, origin | (S,)            | int32 | R      | moved by the commit kernel                   |
+| read, scales, sr_seed, sr_counter | as decode | | R (W on flush) | read copy; SR bits (counter R only) |
 """
 
 from typing import Optional
@@ -47,8 +58,24 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
                       load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
                       rows_times_columns, slot_is_live, start_tile_loads, verify_check)
+from ..state_io import copy_rows_tma, fake_copy_tensors, fill_work_tile, start_state_loads, store_work_tile
 from .common import gdn_gates, normalize_qk
-from .decode import GDNConfig, GDNShape
+from .decode import GDNConfig, GDNShape, rederive_corrections, row_key_dots
+
+
+@cute.jit
+def _ring_part(rRing: cute.Tensor, rU: cute.Tensor, sDot: cute.Tensor, split_u: cutlass.Constexpr[bool]):
+    """rRing (4, 1, 2 NT) <- U Dots^T: the warp rows' committed corrections (A fragments ``rU``
+    (4, KF)) against the weighted key products of the ring columns. Cached corrections are fp16,
+    exact in TF32; re-derived ones are fp32 and split (``split_u``)."""
+    rRing.fill(0.0)
+    for kf in cutlass.range_constexpr(cute.size(rU, mode=[1])):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = rU[i, kf]
+        rW = cute.make_rmem_tensor(cute.make_layout((2, cute.size(rRing, mode=[2]), 1)), Float32)
+        load_b_fragment(rW, sDot, 8 * kf, cute.size(rRing, mode=[2]))
+        mma_tf32(rRing, rA, rW, split_u, True)
 
 
 class GDNVerify(DraftStepKernel):
@@ -65,10 +92,25 @@ class GDNVerify(DraftStepKernel):
         TP, NQP = GDNVerify.dims(shape, num_drafts)
         return (config.rows_per_cta * (K + TILE_PAD) * 4 + round_up(shape.capacity, 8) * (K + 8) * shape.act_dtype.width // 8
                 + 2 * TP * (K + 4) * 4 + 2 * TP * (NQP + 4) * 4 + config.num_warps * MMA_ROWS * (2 * TP + 1) * 4
-                + 8 * config.num_warps + 1024)
+                + 8 * config.num_warps + 1024
+                + shape.copies.work_tile_smem_bytes(config.rows_per_cta, config.num_warps)
+                + (GDNVerify.rederive_smem_bytes(shape, config) if shape.rederive else 0))
+
+    @staticmethod
+    def rederive_smem_bytes(shape: GDNShape, config: GDNConfig) -> int:
+        """The keys' Gram matrix; S_ckpt k_p, v_p and the re-derived u per warp row and position."""
+        cap = shape.capacity
+        return 4 * cap * cap + 3 * 4 * cap * config.rows_per_cta + 48
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
+        reason = shape.copies.check(shape.k_vec, config.rows_per_cta, shape.head_v_dim)
+        if reason is not None:
+            return reason
+        if shape.rederive and not (shape.keep_v_beta and shape.window > 1):
+            return "re-deriving corrections at a flush needs the records' v and beta (keep_v_beta, window > 1)"
+        if shape.rederive and shape.head_k_dim != 32 * shape.k_vec:
+            return f"re-deriving corrections needs head_k_dim a multiple of 32 (every lane a slice), not {shape.head_k_dim}"
         return verify_check(shape, config, num_drafts, GDNVerify.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
@@ -91,18 +133,31 @@ class GDNVerify(DraftStepKernel):
         mRingBeta: Optional[cute.Tensor],
         mCursor: cute.Tensor,
         mOrigin: cute.Tensor,
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
         HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator,
-            cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
-        )
-        tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, K)
+        copies = s.copies
+        if cutlass.const_expr(copies.entry.low_precision):  # a low-precision entry tile, decoded into the fp32 one
+            entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
+            tma_atom, mRowsTma = copy_rows_tma(entry, copies.entry.cols, HV * V, MMA_ROWS)
+        else:
+            mRows = cute.make_tensor(
+                mCheckpoint.iterator,
+                cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
+            )
+            tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, K)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin,
+            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale,
+            mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -127,6 +182,13 @@ class GDNVerify(DraftStepKernel):
         mRingBeta: Optional[cute.Tensor],
         mCursor: cute.Tensor,
         mOrigin: cute.Tensor,
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
     ):
         s, c, T = self.shape, self.config, self.num_drafts
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
@@ -140,6 +202,9 @@ class GDNVerify(DraftStepKernel):
         rep = HV // H
         act = s.act_dtype
         exact = act.width < 32  # bf16 / fp16 ring keys are exact in TF32
+        copies = s.copies
+        lowp = copies.entry.low_precision
+        rederive = s.rederive
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, vhead, row = cute.arch.block_idx()
@@ -170,7 +235,21 @@ class GDNVerify(DraftStepKernel):
                 Float32, cute.make_layout((MMA_ROWS, 2 * TP, W), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))),
                 byte_alignment=16)
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (K + TILE_PAD) * 4)
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
+            if cutlass.const_expr(lowp):
+                sEntry, _, _, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+                    copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
+                    mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+                    MMA_ROWS, W, False)
+            else:
+                start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (K + TILE_PAD) * 4)
+            sGram, sSk, sUre, sVre = None, None, None, None
+            if cutlass.const_expr(rederive):
+                sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
+                rows_layout = cute.make_layout((cap, MMA_ROWS, W), stride=(MMA_ROWS, 1, cap * MMA_ROWS))
+                sSk = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
+                sUre = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
+                sVre = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
@@ -272,17 +351,31 @@ class GDNVerify(DraftStepKernel):
                             sDot[xs, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
             cute.arch.sync_threads()
 
-            # Ring parts U Dots^T, then S_ckpt [k; q]^T once the tile has landed.
+            # Ring parts U Dots^T (before the tile has landed, unless a flush re-derives U from it),
+            # then S_ckpt [k; q]^T.
             rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-            rRing.fill(0.0)
-            for kf in cutlass.range_constexpr(KF):
-                rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-                for i in cutlass.range_constexpr(4):
-                    rA[i, 0, 0] = rU[i, kf]
-                rW = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
-                load_b_fragment(rW, sDot, 8 * kf, 2 * NT)
-                mma_tf32(rRing, rA, rW, False, True)  # u is fp16: exact in TF32
+            if cutlass.const_expr(not rederive):
+                _ring_part(rRing, rU, sDot, False)
             cute.arch.mbarrier_wait(mbar + warp, 0)
+            if cutlass.const_expr(lowp):  # the read copy, or on a flush the recurrence checkpoint, in fp32
+                fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
+                               mCheckpointScale, mCheckpointStateScale, slot64, vhead, i_warp)
+            if cutlass.const_expr(rederive):
+                if flush:  # Algorithm 6: the committed corrections from the checkpoint, by record
+                    for r in cutlass.range(MMA_ROWS, unroll=1):
+                        rS = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                        row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+                    rUrow = cute.make_rmem_tensor((cap,), Float32)
+                    rederive_corrections(sKeys, sGram, sSk, sUre, sVre, mRingV, mRingBeta, rUrow, g_j, slot64, vhead,
+                                         i_warp + lane % MMA_ROWS, origin, h, MMA_ROWS, W, cap, vec, act)
+                    for kf in cutlass.range_constexpr(KF):
+                        for i in cutlass.range_constexpr(4):
+                            q = 8 * kf + c4 + 4 * (i // 2)
+                            j = (q - origin + cap) % cap
+                            rU[i, kf] = cutlass.select_((q < cap) & (j < h), sUre[j, g4 + 8 * (i % 2), warp],
+                                                        Float32(0.0))
+                _ring_part(rRing, rU, sDot, True)
             rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
             rSX.fill(0.0)
             rows_times_columns(rSX, sState, warp, sDraft, K // 8, False)
@@ -326,9 +419,16 @@ class GDNVerify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rU[i, kf], Float32(0.0))
-                fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K),
-                                                     (i_warp // MMA_ROWS, 0)),
-                                     sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
+                if cutlass.const_expr(lowp):  # in place in the fp32 tile, then into every copy
+                    fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (MMA_ROWS, K), (0, 0)),
+                                         sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
+                    cute.arch.sync_warp()
+                    store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
+                                    mRead, mReadScale, mReadStateScale, slot64, vhead, i_warp, sr_key)
+                else:
+                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K),
+                                                         (i_warp // MMA_ROWS, 0)),
+                                         sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
 
             # The drafts' keys (once per key head) and decays (once per value head).
             if ptile == 0 and warp == 0:
@@ -367,8 +467,9 @@ def _fake_inputs(shape: GDNShape, num_drafts: int):
                                 assumed_align=dtype.width // 8)
 
     keep = shape.keep_v_beta
+    state = fake_copy_tensors(shape.copies, slots, HV, V)
     return dict(
-        mCheckpoint=compact(Float32, (slots, HV, V, K)),
+        mCheckpoint=state.pop("mCheckpoint"),
         mQ=rows(act, (T, H, K)),
         mK=rows(act, (T, H, K)),
         mV=rows(act, (T, HV, V)),
@@ -385,6 +486,7 @@ def _fake_inputs(shape: GDNShape, num_drafts: int):
         mRingBeta=compact(Float32, (slots, cap, HV)) if keep else None,
         mCursor=compact(Int32, (slots,), align=4),
         mOrigin=compact(Int32, (slots,), align=4),
+        **state,
     )
 
 

@@ -58,8 +58,9 @@ from cutlass.memory import SmemAllocator
 from ..common import (issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus,
                       warp_reduce_many, warp_sum)
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, fold_row, load_scale, ring_coefficients, smem_scale,
-                        make_copy_tmas, start_state_loads, store_copies, tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, fake_copy_tensors, fold_row, load_scale,
+                        make_copy_tmas, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        tile_state_scale)
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,8 @@ class Mamba2Decode:
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
             sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W,
+                not light)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is
@@ -569,19 +571,10 @@ def _fake_inputs(shape: Mamba2Shape):
     replay = shape.window > 1
     copies = shape.copies
 
-    def copy_tensors(fmt):
-        """Data, scale, state scale of a copy in ``fmt`` (None where the format has none)."""
-        if fmt is None:
-            return None, None, None
-        return (compact(fmt.storage, (slots, H, P, fmt.cols)),
-                compact(fmt.scale_dtype, (slots, H, P, fmt.scales_per_row), align=4) if fmt.scale_dtype else None,
-                compact(Float32, (slots, H), align=4) if fmt.has_state_scale else None)
-
-    ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
-    read, read_scale, read_state_scale = copy_tensors(copies.read)
+    state = fake_copy_tensors(copies, slots, H, P)
     counted = replay or copies.stochastic
     return dict(
-        mCheckpoint=ckpt,
+        mCheckpoint=state.pop("mCheckpoint"),
         mX=rows(act, (H, P)),
         mDt=rows(shape.dt_dtype, (H,), align=None),
         mA=compact(Float32, (H,), align=4),
@@ -598,13 +591,7 @@ def _fake_inputs(shape: Mamba2Shape):
         mCursor=compact(Int32, (slots,), align=4) if replay else None,
         mOrigin=compact(Int32, (slots,), align=4) if replay else None,
         mArrivals=compact(Int32, (slots,), align=4) if counted else None,
-        mCheckpointScale=ckpt_scale,
-        mCheckpointStateScale=ckpt_state_scale,
-        mRead=read,
-        mReadScale=read_scale,
-        mReadStateScale=read_state_scale,
-        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
-        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
+        **state,
     )
 
 

@@ -22,6 +22,12 @@ The T draft records are written behind the committed ones, at (origin + h + t) %
 origin are not touched here: the commit kernel (``kernels/commit.py``) moves them once the
 accepted count is known. The ring is read at every physical position as soon as the slot is known.
 
+Low-precision and two-precision caches (paper Algorithm 3; kernels/state_io.py): the entry tile
+is the read copy (else the low-precision checkpoint), decoded into the fp32 tile, so the GEMMs
+above run unchanged; a flushing row decodes the recurrence checkpoint instead, folds in the fp32
+tile and writes that one fp32 state into every copy (SR into a low-precision checkpoint, with the
+bits of sr_counter, which the commit kernel advances; RTN into the read copy).
+
 Grid (headdim // rows_per_cta, nheads, batch); 16 rows per warp (the MMA's M), each warp's rows
 one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
 
@@ -29,7 +35,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 
 | name        | shape              | dtype    | access | meaning                                     |
 |-------------|--------------------|----------|--------|---------------------------------------------|
-| checkpoint  | (S, H, P, N)       | fp32     | R / W on flush |                                     |
+| checkpoint  | (S, H, P, N)       | fmt      | R / W on flush | format, scales as decode's           |
 | x           | (b, T, H, P)       | act      | R      | draft values; any row stride                |
 | dt          | (b, T, H)          | act/fp32 | R      | raw dt                                      |
 | A           | (H,)               | fp32     | R      |                                             |
@@ -41,6 +47,7 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | out         | (b, T, H, P)       | act      | W      | y of every draft (pad rows untouched)       |
 | ring_x, ring_B, ring_dt | as decode | | R / W | draft records written at (origin + h + t) % cap |
 | cursor, origin | (S,)            | int32    | R      | moved by the commit kernel                  |
+| read, scales, sr_seed, sr_counter | as decode | | R (W on flush) | read copy; SR bits (counter R only) |
 """
 
 from typing import Optional
@@ -53,6 +60,7 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
                       load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
                       rows_times_columns, slot_is_live, softplus, start_tile_loads, verify_check)
+from ..state_io import copy_rows_tma, fake_copy_tensors, fill_work_tile, start_state_loads, store_work_tile
 from .decode import Mamba2Config, Mamba2Shape
 
 class Mamba2Verify(DraftStepKernel):
@@ -68,10 +76,14 @@ class Mamba2Verify(DraftStepKernel):
         N = shape.dstate
         TP, NQP = Mamba2Verify.dims(shape, num_drafts)
         return (config.rows_per_cta * (N + TILE_PAD) * 4 + NQP * (N + 8) * shape.act_dtype.width // 8 + TP * (N + 4) * 4
-                + TP * (NQP + 4) * 4 + 8 * config.num_warps + 2048)
+                + TP * (NQP + 4) * 4 + 8 * config.num_warps + 2048
+                + shape.copies.work_tile_smem_bytes(config.rows_per_cta, config.num_warps))
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
+        reason = shape.copies.check(shape.dstate // 32, config.rows_per_cta, shape.headdim)
+        if reason is not None:
+            return reason
         return verify_check(shape, config, num_drafts, Mamba2Verify.smem_bytes(shape, config, num_drafts))
 
     @cute.jit
@@ -93,18 +105,31 @@ class Mamba2Verify(DraftStepKernel):
         mRingDt: cute.Tensor,
         mCursor: cute.Tensor,
         mOrigin: cute.Tensor,
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
         H, P, N = s.nheads, s.headdim, s.dstate
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator,
-            cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
-        )
-        tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, N)
+        copies = s.copies
+        if cutlass.const_expr(copies.entry.low_precision):  # a low-precision entry tile, decoded into the fp32 one
+            entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
+            tma_atom, mRowsTma = copy_rows_tma(entry, copies.entry.cols, H * P, MMA_ROWS)
+        else:
+            mRows = cute.make_tensor(
+                mCheckpoint.iterator,
+                cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
+            )
+            tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, N)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-            mRingX, mRingB, mRingDt, mCursor, mOrigin,
+            mRingX, mRingB, mRingDt, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale, mRead, mReadScale,
+            mReadStateScale, mSrSeed, mSrCounter,
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -128,6 +153,13 @@ class Mamba2Verify(DraftStepKernel):
         mRingDt: cute.Tensor,
         mCursor: cute.Tensor,
         mOrigin: cute.Tensor,
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        mSrCounter: Optional[cute.Tensor],
     ):
         s, c, T = self.shape, self.config, self.num_drafts
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
@@ -143,6 +175,8 @@ class Mamba2Verify(DraftStepKernel):
         heads_per_group = H // G
         act = s.act_dtype
         exact = act.width < 32  # bf16 / fp16 values are exact in TF32
+        copies = s.copies
+        lowp = copies.entry.low_precision
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
@@ -169,7 +203,14 @@ class Mamba2Verify(DraftStepKernel):
             # w_{j,t} (B_q . C_t) per (draft t, column q); zero where q holds no record before t.
             sDot = smem.allocate_tensor(Float32, cute.make_layout((TP, NQP), stride=(NQP + 4, 1)), byte_alignment=16)
             first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
-            start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (N + TILE_PAD) * 4)
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
+            if cutlass.const_expr(lowp):
+                sEntry, _, _, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+                    copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
+                    mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+                    MMA_ROWS, W, False)
+            else:
+                start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (N + TILE_PAD) * 4)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
@@ -284,6 +325,9 @@ class Mamba2Verify(DraftStepKernel):
                 load_b_fragment(rW, sDot, 8 * kq, NT)
                 mma_tf32(rRing, rA, rW, not exact, True)
             cute.arch.mbarrier_wait(mbar + warp, 0)
+            if cutlass.const_expr(lowp):  # the read copy, or on a flush the recurrence checkpoint, in fp32
+                fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
+                               mCheckpointScale, mCheckpointStateScale, slot64, head, p_warp)
             rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
             rSC.fill(0.0)
             rows_times_columns(rSC, sState, warp, sC, N // 8, exact)
@@ -316,8 +360,16 @@ class Mamba2Verify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rX[i, kf], Float32(0.0))
-                fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N), (p_warp // MMA_ROWS, 0)),
-                                     sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
+                if cutlass.const_expr(lowp):  # in place in the fp32 tile, then into every copy
+                    fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (MMA_ROWS, N), (0, 0)),
+                                         sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
+                    cute.arch.sync_warp()
+                    store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
+                                    mRead, mReadScale, mReadStateScale, slot64, head, p_warp, sr_key)
+                else:
+                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N),
+                                                         (p_warp // MMA_ROWS, 0)),
+                                         sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
 
             # The drafts' B (once per group) and dt records.
             if ptile == 0 and warp == 0:
@@ -353,8 +405,9 @@ def _fake_inputs(shape: Mamba2Shape, num_drafts: int):
         return make_fake_tensor(dtype, (batch,) + tuple(inner),
                                 (cute.sym_int64(divisibility=div),) + tuple(strides), assumed_align=align)
 
+    state = fake_copy_tensors(shape.copies, slots, H, P)
     return dict(
-        mCheckpoint=compact(Float32, (slots, H, P, N)),
+        mCheckpoint=state.pop("mCheckpoint"),
         mX=rows(act, (T, H, P)),
         mDt=rows(shape.dt_dtype, (T, H), align=None),
         mA=compact(Float32, (H,), align=4),
@@ -370,6 +423,7 @@ def _fake_inputs(shape: Mamba2Shape, num_drafts: int):
         mRingDt=compact(Float32, (slots, cap, H)),
         mCursor=compact(Int32, (slots,), align=4),
         mOrigin=compact(Int32, (slots,), align=4),
+        **state,
     )
 
 

@@ -332,13 +332,13 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
         mamba2_verify_cache_(cache, x, dt, A, B, C, slot_ids, D=D, z=z, dt_bias=dt_bias,
                              dt_softplus=dt_softplus, out=out)
     elif b > 0:
-        _check_device(cache, device)
-        from .kernels_host import mamba2_verify_kernel
+        _check_device(cache, device, low_precision_kernel=True)
+        from .kernels_host import checkpoint_arg, mamba2_verify_kernel, state_copy_args
 
         kernel = mamba2_verify_kernel(cache, T, dt.dtype, D is not None, z is not None, dt_bias is not None,
                                       dt_softplus, b, config)
-        kernel(cache.checkpoint, x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
-               cache.ring_dt, cache.cursor, cache.origin)
+        kernel(checkpoint_arg(cache), x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
+               cache.ring_dt, cache.cursor, cache.origin, *state_copy_args(cache))
     cache.pending_drafts = T  # what the next commit applies, once the step has run
     return _verify_result(out, packed_out, cu_seqlens)
 
@@ -397,10 +397,10 @@ def _commit(cache, slot_ids, num_accepted):
 
         commit_cache_(cache, slot_ids, num_accepted, num_drafts=T)
     elif b > 0:
-        _check_device(cache, device, low_precision_kernel=True)  # moves cursors only: any state format
+        _check_device(cache, device, low_precision_kernel=True)
         from .kernels_host import commit_kernel
 
-        commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin)
+        commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin, cache.sr_counter)
     cache.pending_drafts = None  # consumed, once the commit has run
 
 
@@ -520,12 +520,12 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
 
         gdn_verify_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=scale, out=out)
     elif bsz > 0:
-        _check_device(cache, device)
-        from .kernels_host import gdn_verify_kernel
+        _check_device(cache, device, low_precision_kernel=True)
+        from .kernels_host import checkpoint_arg, gdn_verify_kernel, state_copy_args
 
         kernel = gdn_verify_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
-        kernel(cache.checkpoint, q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
-               cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin)
+        kernel(checkpoint_arg(cache), q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
+               cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin, *state_copy_args(cache))
     cache.pending_drafts = T  # what the next commit applies, once the step has run
     return _verify_result(out, packed_out, cu_seqlens)
 

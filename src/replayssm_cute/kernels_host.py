@@ -239,23 +239,26 @@ def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias,
     bucket = batch_bucket(batch)
     fast_key = ("mamba2_verify", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                 cache.window, cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
-                dt_softplus, cache.pad_slot_id, bucket, config)
+                dt_softplus, cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format, bucket, config)
     return _cached_kernel(
         "verify", fast_key, config,
         lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_verify_config(cache.headdim, bucket),
+        lambda shape: default_mamba2_verify_config(cache.headdim, bucket, _whole_head(cache)),
         lambda shape, cfg: Mamba2Verify.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_verify(shape, cfg, num_drafts, options)),
         ("mamba2_verify", num_drafts, bucket))
 
 
-def default_mamba2_verify_config(headdim: int, batch: int):
+def default_mamba2_verify_config(headdim: int, batch: int, whole_head: bool = False):
     """Verify tiles 16 rows per warp (the MMA's M): one warp per CTA at small batch, where more
     CTAs per row hide latency, else the whole head (up to 4 warps) so the per-CTA dot GEMM and
-    staging are shared by more rows."""
+    staging are shared by more rows. ``whole_head``: a CTA per head at any batch (an nvfp4 copy's
+    writer)."""
     from .kernels.mamba2.decode import Mamba2Config
 
+    if whole_head:
+        return Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 16)
     if batch > 16:
         for rows in (64, 32):
             if headdim % rows == 0:
@@ -267,10 +270,11 @@ def commit_kernel(cache, num_drafts):
     """The callable of the commit step after a verify of `num_drafts` drafts (memoised)."""
     from .kernels.commit import CommitShape, compile_commit
 
-    fast_key = ("commit", cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
+    stochastic = cache.sr_counter is not None
+    fast_key = ("commit", cache.window, cache.capacity, num_drafts, cache.pad_slot_id, stochastic)
     kernel = _fast.get(fast_key)
     if kernel is None:
-        shape = CommitShape(cache.window, cache.capacity, num_drafts, cache.pad_slot_id)
+        shape = CommitShape(cache.window, cache.capacity, num_drafts, cache.pad_slot_id, stochastic)
         kernel = _fast[fast_key] = _compiled("commit", shape.key(), lambda options: compile_commit(shape, options))
     return kernel
 
@@ -282,23 +286,27 @@ def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype,
     bucket = batch_bucket(batch)
     fast_key = ("gdn_verify", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
                 cache.num_k_heads, cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
-                dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, bucket, config)
+                dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, cache.checkpoint_format,
+                cache.read_copy_format, _rederives(cache), bucket, config)
     return _cached_kernel(
         "verify", fast_key, config,
         lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_verify_config(cache.head_v_dim, bucket),
+        lambda shape: default_gdn_verify_config(cache.head_v_dim, bucket, _whole_head(cache)),
         lambda shape, cfg: GDNVerify.check(shape, cfg, num_drafts),
         lambda shape, cfg: _compiled("gdn_verify", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_verify(shape, cfg, num_drafts, options)),
         ("gdn_verify", num_drafts, bucket))
 
 
-def default_gdn_verify_config(head_v_dim: int, batch: int):
+def default_gdn_verify_config(head_v_dim: int, batch: int, whole_head: bool = False):
     """As ``default_mamba2_verify_config``: 16 rows per warp, one warp per CTA at small batch,
     else the whole head in one CTA where it fits in 8 warps (one dot GEMM and one staging per
-    head: 1.16-1.18x faster than 64-row tiles at Qwen3.5-122B, batch 256, T = 4 and 8)."""
+    head: 1.16-1.18x faster than 64-row tiles at Qwen3.5-122B, batch 256, T = 4 and 8), and at any
+    batch for an nvfp4 copy's writer."""
     from .kernels.gdn.decode import GDNConfig
 
+    if whole_head:
+        return GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16)
     if batch > 16:
         for rows in (128, 64, 32):
             if head_v_dim % rows == 0:

@@ -285,7 +285,8 @@ def _cache_like(shape):
     fields = dict(window=shape.window, capacity=shape.capacity, pad_slot_id=shape.pad_slot_id,
                   checkpoint_format=getattr(shape, "checkpoint_format", "fp32"),
                   read_copy_format=getattr(shape, "read_copy", None),
-                  flush_corrections="rederive" if getattr(shape, "rederive", False) else "fold")
+                  flush_corrections="rederive" if getattr(shape, "rederive", False) else "fold",
+                  sr_counter=True if getattr(shape, "stochastic", False) else None)  # commit: SR checkpoints
     if hasattr(shape, "nheads"):  # Mamba2Shape
         fields.update(nheads=shape.nheads, headdim=shape.headdim, dstate=shape.dstate,
                       ngroups=shape.ngroups, dtype=_torch_dtype(shape.act_dtype))
