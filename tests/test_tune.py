@@ -383,7 +383,7 @@ def _cli_error(capsys, argv):
     (["--model", "nemotron-super", "--workers", "0"], "--workers must be >= 1"),
     (["--model", "nemotron-super", "--read-copies", "fp4"], "--read-copies: unknown read copy 'fp4'"),
     (["--model", "nemotron-super", "--read-copies", "fp8", "--modes", "conventional"],
-     "--read-copies: tunes the standard mode"),
+     "--read-copies: tunes the standard and verify modes"),
 ])
 def test_cli_argument_errors(capsys, argv, message):
     assert message in _cli_error(capsys, argv)
@@ -405,11 +405,23 @@ def test_cli_targets():
 
 
 def test_cli_read_copy_targets_are_the_kernels_decode_builds():
-    """--read-copies adds standard-mode targets whose shape, default config and candidates are
-    those of a cache with that read copy (GDN: keeping v and beta, re-deriving at a flush)."""
-    args = tune.parse_args(["--model", "nemotron-super,qwen3.5-122b", "--modes", "standard",
+    """--read-copies adds standard- and verify-mode targets whose shape, default config and
+    candidates are those of a cache with that read copy (GDN: keeping v and beta, re-deriving at a
+    flush)."""
+    args = tune.parse_args(["--model", "nemotron-super,qwen3.5-122b", "--modes", "standard,verify", "--drafts", "4",
                             "--read-copies", "fp8,nvfp4", "--batch", "256"])
-    extra = [t for t in args.targets if t.read_copy]
+    verify = [t for t in args.targets if t.read_copy and t.mode == "verify"]
+    assert [t.label for t in verify] == [f"{m} verify L16 T4 read {r} bf16" for m in ("nemotron-super", "qwen3.5-122b")
+                                         for r in ("fp8", "nvfp4")]
+    for t in verify:
+        assert t.shape().read_copy == t.read_copy and t.shape().capacity == 20
+        default = t.default_config(256)
+        assert t.check(default) is None and default in t.candidates()
+        if t.read_copy == "nvfp4":
+            assert default.rows_per_cta == t.model.headdim
+            assert t.default_config(1).rows_per_cta == t.model.headdim  # at any batch
+        assert t.ideal_bytes(256) < _target(t.model, "verify").ideal_bytes(256)
+    extra = [t for t in args.targets if t.read_copy and t.mode == "standard"]
     assert [t.label for t in extra] == [f"{m} standard L16 read {r} bf16" for m in ("nemotron-super", "qwen3.5-122b")
                                         for r in ("fp8", "nvfp4")]
     for t in extra:

@@ -4,16 +4,16 @@
         [--modes conventional,standard,verify] [--window 16] [--drafts 4,8] [--dtypes bf16,fp16]
         [--out FILE] [--replays 15] [--workers N] [--pool-mb 512] [--compile-only]
     python -m replayssm_cute.tune --shape mamba2:128,64,128,8 ...     # explicit layer dims
-    python -m replayssm_cute.tune --model nemotron-super --read-copies fp16,fp8,nvfp4 --modes standard
+    python -m replayssm_cute.tune --model nemotron-super --read-copies fp16,fp8,nvfp4 --modes standard,verify
 
 --model takes the registry names of replayssm_cute.models (replayssm.md section 7), several
 separated by commas; --shape takes explicit dims instead: mamba2:H,P,N,G (heads, headdim,
 dstate, groups) or gdn:HV,V,K,H (value heads, V, K, key heads). Modes: conventional (the
 window-1 step), standard (ReplaySSM decode at --window) and verify (verify + commit of T
 drafts at --window, for each T of --drafts); default conventional,standard. Batches are
-buckets, powers of two up to 1024 (default: all of them). --read-copies adds the standard mode
-on caches with each of those low-precision read copies next to an fp32 checkpoint (their
-kernels, keyed by the read copy, are tuned apart).
+buckets, powers of two up to 1024 (default: all of them). --read-copies adds the standard and
+verify modes (those of --modes) on caches with each of those low-precision read copies next to
+an fp32 checkpoint (their kernels, keyed by the read copy, are tuned apart).
 
 For each kernel, activation dtype and batch bucket:
 1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
@@ -141,10 +141,10 @@ class TuneTarget:
         from . import kernels_host as kh
 
         P = self.model.headdim
+        whole_head = self.read_copy == "nvfp4"
         if self.mode == "verify":
             choose = kh.default_gdn_verify_config if self.model.layer == "gdn" else kh.default_mamba2_verify_config
-            return choose(P, batch)
-        whole_head = self.read_copy == "nvfp4"
+            return choose(P, batch, whole_head)
         if self.model.layer == "gdn":
             return kh.default_gdn_config(P, batch, self.window, self.shape(), whole_head)
         return kh.default_mamba2_config(P, batch, self.window, whole_head, self.shape())
@@ -174,14 +174,16 @@ class TuneTarget:
     def ideal_bytes(self, batch: int) -> float:
         """Ideal bytes per step (perf): the conventional step, the ReplaySSM window mean, or the
         mean over accepted_counts() of a verify + commit step."""
-        from .perf import ideal_bytes, read_ideal_bytes, verify_ideal_bytes
+        from .perf import ideal_bytes, read_ideal_bytes, verify_ideal_bytes, verify_read_ideal_bytes
 
-        if self.read_copy is not None:
-            return read_ideal_bytes(self.model, batch, self.window, self.read_copy)["window_mean"]
         if self.mode == "verify":
             per_a = [verify_ideal_bytes(self.model, batch, self.window, self.num_drafts, a)["verify"]
+                     if self.read_copy is None else
+                     verify_read_ideal_bytes(self.model, batch, self.window, self.num_drafts, a, self.read_copy)
                      for a in self.accepted_counts()]
             return sum(per_a) / len(per_a)
+        if self.read_copy is not None:
+            return read_ideal_bytes(self.model, batch, self.window, self.read_copy)["window_mean"]
         return ideal_bytes(self.model, batch, self.window)["conventional" if self.window == 1 else "window_mean"]
 
 
@@ -533,14 +535,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     for r in read_copies:
         if r not in READ_COPIES:
             parser.error(f"--read-copies: unknown read copy {r!r}; use {', '.join(READ_COPIES)}")
-    if read_copies and "standard" not in modes:
-        parser.error("--read-copies: tunes the standard mode (the read copy's GPU kernels); add standard to --modes")
+    if read_copies and not {"standard", "verify"} & set(modes):
+        parser.error("--read-copies: tunes the standard and verify modes (the read copy's GPU kernels); "
+                     "add standard or verify to --modes")
 
     args.targets = [TuneTarget(m, mode, window, T, d)
                     for m in models for d in dtypes for mode in MODES if mode in modes
                     for window, T in ({"conventional": [(1, 0)], "standard": [(args.window, 0)],
                                        "verify": [(args.window, T) for T in drafts]}[mode])]
-    args.targets += [TuneTarget(m, "standard", args.window, 0, d, r) for m in models for d in dtypes for r in read_copies]
+    args.targets += [TuneTarget(m, mode, args.window, T, d, r) for m in models for d in dtypes for r in read_copies
+                     for mode, T in ([("standard", 0)] if "standard" in modes else [])
+                     + ([("verify", T) for T in drafts] if "verify" in modes else [])]
     return args
 
 
