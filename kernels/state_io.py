@@ -30,9 +30,10 @@ random bits per fp16 element and shares one 32-bit word between the elements of 
 quad (PTX ISA, ``cvt``), so it cannot draw quant's independent 32 bits per element and no
 definition of the bits makes it bit-exact with the reference: SR stays software there too.
 
-Light copies (``StateCopies.light``): with an fp16 / fp8 entry tile a kernel keeps no fp32 tile
-in shared memory (so more CTAs fit an SM, which a latency-bound step needs to use the smaller
-reads) and a flush folds checkpoint rows in registers (``checkpoint_row``).
+Light copies (``StateCopies.light``): with a low-precision entry tile a decode kernel keeps no fp32
+tile in shared memory (so more CTAs fit an SM, which a latency-bound step needs to use the smaller
+reads) and a flush folds checkpoint rows in registers (``checkpoint_row``); an nvfp4 writer folds
+the rows twice, first for the whole state's amax (``folded_state_scale``), then to store them.
 """
 
 from dataclasses import dataclass
@@ -150,10 +151,10 @@ class StateCopies:
 
     @property
     def light(self) -> bool:
-        """The entry is low precision and no copy needs a whole-state scale: a kernel keeps no
-        fp32 tile in shared memory (only the small entry tile, so more CTAs fit an SM) and a flush
-        folds row by row in registers from the checkpoint."""
-        return self.entry.low_precision and not self.whole_state
+        """The entry is low precision: a decode kernel keeps no fp32 tile in shared memory (only
+        the small entry tile, so more CTAs fit an SM) and a flush folds row by row in registers
+        from the checkpoint (twice for an nvfp4 copy: the whole-state amax, then the stores)."""
+        return self.entry.low_precision
 
     @property
     def whole_state(self) -> bool:
@@ -161,15 +162,9 @@ class StateCopies:
         return "nvfp4" in (self.checkpoint_format, self.read_copy)
 
     def smem_bytes(self, rows: int, warps: int) -> int:
-        """Shared memory beyond the fp32 work tile: low-precision tiles, mbarriers, amax slots."""
-        extra = -4 * rows * self.K if self.light else 0  # no fp32 work tile
-        if self.entry.low_precision:
-            extra += rows * self.entry.row_bytes + 128 + self.entry.scale_smem_bytes(rows)
-        if self.separate and not self.light:
-            extra += 8 * warps + (rows * self.checkpoint.row_bytes + 128 if self.checkpoint.low_precision else 0)
-        if self.whole_state:
-            extra += 4 * warps
-        return extra
+        """A decode kernel's shared memory beyond its fp32 work tile (none with a light entry):
+        the low-precision entry tile, its scales, amax slots."""
+        return (-4 * rows * self.K if self.light else 0) + self.work_tile_smem_bytes(rows, warps)
 
     def work_tile_smem_bytes(self, rows: int, warps: int) -> int:
         """Shared memory beyond the fp32 work tile of a kernel that decodes its entry into it
@@ -184,6 +179,8 @@ class StateCopies:
     def check(self, vec: int, rows_per_cta: int, rows_per_head: int) -> Optional[str]:
         if self.read_copy is not None and self.window == 1:
             return "a read copy needs a ring (window > 1)"
+        if self.checkpoint_format == "nvfp4" and self.read_copy is not None:
+            return "an nvfp4 checkpoint is a single copy (shared or window 1), never next to a read copy"
         for fmt in (self.checkpoint, self.read):
             reason = None if fmt is None else fmt.check(vec)
             if reason is not None:
@@ -193,6 +190,11 @@ class StateCopies:
         if self.whole_state and rows_per_cta != rows_per_head:
             return f"nvfp4 copies are written by one CTA per head: rows_per_cta must be {rows_per_head}"
         return None
+
+
+# A kernel's trailing state-copy parameters after its other tensors (mCheckpoint comes first).
+COPY_ARGS = ("mCheckpointScale", "mCheckpointStateScale", "mRead", "mReadScale", "mReadStateScale", "mSrSeed",
+             "mSrCounter")
 
 
 def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict:
@@ -214,16 +216,11 @@ def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict
 
     ckpt, ckpt_scale, ckpt_state_scale = copy_tensors(copies.checkpoint)
     read, read_scale, read_state_scale = copy_tensors(copies.read)
-    return dict(
-        mCheckpoint=ckpt,
-        mCheckpointScale=ckpt_scale,
-        mCheckpointStateScale=ckpt_state_scale,
-        mRead=read,
-        mReadScale=read_scale,
-        mReadStateScale=read_state_scale,
-        mSrSeed=compact(Int64, (1,), align=8) if copies.stochastic else None,
-        mSrCounter=compact(Int32, (slots,), align=4) if copies.stochastic else None,
-    )
+    stochastic = copies.stochastic
+    return dict(mCheckpoint=ckpt, **dict(zip(COPY_ARGS, (
+        ckpt_scale, ckpt_state_scale, read, read_scale, read_state_scale,
+        compact(Int64, (1,), align=8) if stochastic else None,
+        compact(Int32, (slots,), align=4) if stochastic else None))))
 
 
 # ----------------------------------------------------------------------------- PTX steps
@@ -475,51 +472,29 @@ def copy_rows_tma(m: cute.Tensor, cols: int, rows_per_slot: int, box_rows: int):
         (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), box_rows, cols)
 
 
-def make_copy_tmas(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, rows_per_warp: int):
-    """Host side of a decode kernel's state loads (``copy_rows_tma``). Returns (entry atom, entry
-    coordinates, checkpoint atom, checkpoint coordinates): every step loads the read copy (else the
-    checkpoint) at entry; next to a read copy a flush loads the checkpoint apart (None otherwise)."""
+def entry_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, box_rows: int):
+    """Host side of a kernel's entry load (``copy_rows_tma``): the read copy, else the checkpoint."""
     entry = mRead if copies.separate else mCheckpoint
-    tma_entry, mEntryTma = copy_rows_tma(entry, copies.entry.cols, rows_per_slot, rows_per_warp)
-    tma_ckpt, mCkptTma = None, None
-    if copies.separate:
-        tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, copies.checkpoint.cols, rows_per_slot, rows_per_warp)
-    return tma_entry, mEntryTma, tma_ckpt, mCkptTma
+    return copy_rows_tma(entry, copies.entry.cols, rows_per_slot, box_rows)
 
 
 @cute.jit
 def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
                       first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
                       mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int],
-                      flush_tile: cutlass.Constexpr[bool]):
-    """A kernel's state copies at entry: allocates the low-precision tiles (an fp32 checkpoint
-    lands in the work tile ``sState`` itself), issues the entry tile's TMA loads (the read copy,
+                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+    """A kernel's state copies at entry: allocates the low-precision entry tile (an fp32
+    checkpoint lands in the work tile ``sState`` itself), issues its TMA loads (the read copy,
     else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows' scales per
-    warp and reads the SR write key. ``flush_tile``: next to a read copy a flush loads the
-    checkpoint into a tile of its own (a decode kernel without a light tile), else it reads
-    checkpoint rows from global memory (``checkpoint_row``). Returns (sEntry, sCkpt, mbarCkpt,
-    sAmax, sEntryScale, entry_state_scale, sr_key, sr_count): where a flush finds the checkpoint and
-    the mbarriers of its own load, the CTA's amax slots (nvfp4), and the SR counter read before
-    the write."""
-    entry_fmt, ckpt_fmt = copies.entry, copies.checkpoint
-    tidx, _, _ = cute.arch.thread_idx()
+    warp and reads the SR write key. A flush next to a read copy reads checkpoint rows from global
+    memory (``checkpoint_row``). Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key,
+    sr_count): the CTA's amax slots (nvfp4) and the SR counter read before the write."""
+    entry_fmt = copies.entry
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     sEntry = sState
     if cutlass.const_expr(entry_fmt.low_precision):
         sEntry = smem.allocate_tensor(entry_fmt.storage, cute.make_layout(
             (rows, entry_fmt.cols, warps), stride=(entry_fmt.cols, 1, rows * entry_fmt.cols)), byte_alignment=128)
-    sCkpt = sEntry
-    mbarCkpt = mbar
-    if cutlass.const_expr(copies.separate and flush_tile):
-        mbarCkpt = smem.allocate_array(Int64, warps, byte_alignment=8)
-        sCkpt = sState
-        if cutlass.const_expr(ckpt_fmt.low_precision):
-            sCkpt = smem.allocate_tensor(ckpt_fmt.storage, cute.make_layout(
-                (rows, ckpt_fmt.cols, warps), stride=(ckpt_fmt.cols, 1, rows * ckpt_fmt.cols)), byte_alignment=128)
-        if tidx == 0:
-            for st in cutlass.range_constexpr(warps):
-                cute.arch.mbarrier_init(mbarCkpt + st, 1)
     sAmax = None
     if cutlass.const_expr(copies.whole_state):
         sAmax = smem.allocate_tensor(Float32, cute.make_layout(warps), byte_alignment=16)
@@ -540,7 +515,7 @@ def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar
     if cutlass.const_expr(copies.stochastic):
         sr_count = mSrCounter[slot]
         sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
-    return sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count
+    return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count
 
 
 @cute.jit
@@ -594,6 +569,38 @@ def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mC
 
 
 @cute.jit
+def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mCheckpointScale, mCheckpointStateScale,
+                       sEntry, sEntryScale, entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32,
+                       gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor, sKeys: cute.Tensor,
+                       ring: cutlass.Constexpr[bool], sAmax: cute.Tensor) -> Float32:
+    """nvfp4's G of the state a light flush folds (``fold_row`` of the warp's checkpoint rows, as
+    the pass that stores them will), reduced over the CTA: the first of a light nvfp4 flush's two
+    passes. Every thread of the CTA calls it."""
+    rows = cute.size(sEntry, mode=[0])
+    vec = copies.K // 32
+    amax = Float32(0.0)
+    for r in cutlass.range(rows, unroll=4):
+        rS = cute.make_rmem_tensor((vec,), Float32)
+        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                       entry_state_scale, slot, head, first_row, r, rS)
+        fold_row(rS, gamma, own, rOwnKey, rCoefs, sKeys, r, ring)
+        amax = _max_nan(amax, lane_amax(rS))
+    return cta_state_scale(amax, sAmax)
+
+
+@cute.jit
+def write_state_scales(copies: cutlass.Constexpr[StateCopies], state_scale: Float32, mCheckpointStateScale,
+                       mReadStateScale, slot: Int64, head: Int32):
+    """Thread 0 stores nvfp4's G into the copies that have a state scale."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        if cutlass.const_expr(copies.checkpoint.has_state_scale):
+            mCheckpointStateScale[slot, head] = state_scale
+        if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
+            mReadStateScale[slot, head] = state_scale
+
+
+@cute.jit
 def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, sEntry, sEntryScale,
                    entry_state_scale: Float32, flush, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
                    slot: Int64, head: Int32, first_row: Int32):
@@ -631,15 +638,10 @@ def store_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor,
     vec = copies.K // 32
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
-    tidx, _, _ = cute.arch.thread_idx()
     state_scale = Float32(1.0)
     if cutlass.const_expr(copies.whole_state):
-        state_scale = tile_state_scale(sState, vec, True, sAmax)
-        if tidx == 0:
-            if cutlass.const_expr(copies.checkpoint.has_state_scale):
-                mCheckpointStateScale[slot, head] = state_scale
-            if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
-                mReadStateScale[slot, head] = state_scale
+        state_scale = tile_state_scale(sState, vec, sAmax)
+        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot, head)
     for r in cutlass.range(rows, unroll=2):
         rS = cute.make_rmem_tensor((vec,), Float32)
         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
@@ -664,24 +666,32 @@ def nvfp4_state_scale(amax: Float32) -> Float32:
 
 
 @cute.jit
-def tile_state_scale(sState: cute.Tensor, vec: cutlass.Constexpr[int], lane_active, sAmax: cute.Tensor) -> Float32:
-    """nvfp4's G of the state whose rows the CTA holds in ``sState`` (rows, K, warps) fp32, a warp
-    per stage, lanes splitting K (``lane_active``: the lane holds a slice). Every thread calls it."""
-    rows, warps = cute.size(sState, mode=[0]), cute.size(sState, mode=[2])
+def tile_state_scale(sState: cute.Tensor, vec: cutlass.Constexpr[int], sAmax: cute.Tensor) -> Float32:
+    """nvfp4's G of the state whose rows the CTA holds in ``sState`` (rows, >= 32 vec, warps) fp32,
+    a warp per stage, lanes splitting K. Every thread calls it."""
+    rows = cute.size(sState, mode=[0])
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
     amax = Float32(0.0)
-    if lane_active:
-        for r in cutlass.range(rows, unroll=2):
-            rS = cute.make_rmem_tensor((vec,), Float32)
-            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-            amax = _max_nan(amax, lane_amax(rS))
+    for r in cutlass.range(rows, unroll=2):
+        rS = cute.make_rmem_tensor((vec,), Float32)
+        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+        amax = _max_nan(amax, lane_amax(rS))
+    return cta_state_scale(amax, sAmax)
+
+
+@cute.jit
+def cta_state_scale(amax: Float32, sAmax: cute.Tensor) -> Float32:
+    """nvfp4's G of a state whose |values| the CTA's lanes each bound by ``amax`` (NaN-propagating
+    max over the CTA through ``sAmax``, a slot per warp). Every thread calls it."""
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    lane = cute.arch.lane_idx()
     amax = _group_max(amax, 32)
     if lane == 0:
         sAmax[warp] = amax
     cute.arch.sync_threads()
     total = sAmax[0]
-    for w in cutlass.range_constexpr(1, warps):
+    for w in cutlass.range_constexpr(1, cute.size(sAmax)):
         total = _max_nan(total, sAmax[w])
     return nvfp4_state_scale(total)
 

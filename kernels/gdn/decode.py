@@ -59,11 +59,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
+from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, fake_copy_tensors, fold_row, load_scale,
-                        make_copy_tmas, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, fold_row,
+                        folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        write_state_scales)
 from .common import gdn_gates, normalize_qk
 
 
@@ -341,10 +341,9 @@ class GDNDecode:
     ):
         s, c = self.shape, self.config
         HV, V = s.num_v_heads, s.head_v_dim
-        tma_entry, mEntryTma, tma_ckpt, mCkptTma = make_copy_tmas(s.copies, mCheckpoint, mRead, HV * V,
-                                                                  c.rows_per_warp)
+        tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.rows_per_warp)
         launch_tiles(self.kernel(
-            tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
+            tma_entry, mEntryTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals, mCheckpointScale,
             mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(), stream)
@@ -354,8 +353,6 @@ class GDNDecode:
         self,
         tma_entry: cute.CopyAtom,
         mEntryTma: cute.Tensor,
-        tma_ckpt: Optional[cute.CopyAtom],
-        mCkptTma: Optional[cute.Tensor],
         mCheckpoint: cute.Tensor,
         mQ: cute.Tensor,
         mK: cute.Tensor,
@@ -397,11 +394,12 @@ class GDNDecode:
         rep = HV // H
         act = s.act_dtype
         copies = s.copies
-        ckpt_fmt, entry_fmt = copies.checkpoint, copies.entry
+        entry_fmt = copies.entry
         counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
-        plain = not (ckpt_fmt.low_precision or copies.separate)  # one fp32 checkpoint, stored as folded
         rederive = s.rederive and L > 1
-        light = copies.light  # no fp32 tile: a flush reads checkpoint rows and folds them in registers
+        # A low-precision entry: no fp32 tile, a flush reads checkpoint rows and folds them in
+        # registers; else one fp32 checkpoint, folded in the tile and stored as folded.
+        light = copies.light
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, vhead, row = cute.arch.block_idx()
@@ -430,10 +428,9 @@ class GDNDecode:
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
             # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-            sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W,
-                not light)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
             sGram, sSk, sUre, sV = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -457,10 +454,6 @@ class GDNDecode:
                 g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
-            if cutlass.const_expr(copies.separate and not light):
-                if flush:  # the entry tile holds the read copy; the recurrence needs the checkpoint
-                    if warp == 0:
-                        issue_tile_loads(tma_ckpt, mCkptTma, sCkpt, mbarCkpt, first_box, W, RW * ckpt_fmt.row_bytes)
 
             # Lane r (mod RW) owns row i = i_warp + r: its v and u_p[i] at every position p.
             lr = lane % RW
@@ -557,21 +550,6 @@ class GDNDecode:
             if cutlass.const_expr(entry_fmt.scale_dtype is not None):
                 cute.arch.sync_warp()  # the staged scales
             if flush:
-                if cutlass.const_expr(copies.separate and not light):
-                    cute.arch.mbarrier_wait(mbarCkpt + warp, 0)
-                if cutlass.const_expr(ckpt_fmt.low_precision and not light):
-                    # The recurrence starts from the checkpoint decoded to fp32 in the work tile.
-                    for r in cutlass.range(RW, unroll=2):
-                        rS = cute.make_rmem_tensor((vec,), Float32)
-                        scale = Float32(1.0)
-                        if cutlass.const_expr(copies.separate):
-                            scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64, vhead,
-                                               i_warp + r, lane * vec)
-                        else:
-                            scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
-                        decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),), (lane,)),
-                                     scale, rS)
-                        cute.autovec_copy(rS, cute.local_tile(sState[r, None, warp], (vec,), (lane,)))
                 if cutlass.const_expr(rederive and not light):
                     for r in cutlass.range(RW, unroll=1):
                         rS = cute.make_rmem_tensor((vec,), Float32)
@@ -586,15 +564,12 @@ class GDNDecode:
             if lane < KL:
                 for r in cutlass.range_constexpr(RW):
                     rS = cute.make_rmem_tensor((vec,), Float32)
-                    if cutlass.const_expr(entry_fmt.low_precision):
+                    if cutlass.const_expr(light):
                         if flush:
-                            if cutlass.const_expr(light):
-                                checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
-                                               sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
-                                if cutlass.const_expr(rederive):
-                                    row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
-                            else:
-                                cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                            checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
+                                           sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
+                            if cutlass.const_expr(rederive):
+                                row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
                         else:
                             scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
                             decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
@@ -629,13 +604,20 @@ class GDNDecode:
                     # (w_j u_j[i]) k_j, then every copy of the row.
                     rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
                     ring_coefficients(w_j, rU, origin, h, rCoefs)
+                    state_scale = Float32(1.0)
+                    if cutlass.const_expr(copies.whole_state):  # nvfp4: the folded state's amax first
+                        state_scale = folded_state_scale(
+                            copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                            entry_state_scale, slot64, vhead, i_warp, gamma, u, rK, rCoefs, sKeys, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
                                        sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
                         fold_row(rS, gamma, u, rK, rCoefs, sKeys, r, L > 1)
                         store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, vhead,
-                                     i_warp + r, Float32(1.0), sr_key)
+                                     i_warp + r, state_scale, sr_key)
+                    if cutlass.const_expr(copies.whole_state):
+                        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, vhead)
             else:
                 if flush:
                     # Fold in place in shared memory, JC items per pass (their keys in registers),
@@ -678,27 +660,11 @@ class GDNDecode:
                                 for e in cutlass.range_constexpr(vec):
                                     rS[e] = rS[e] + coef * rKc[jj, e]
                             if lane < KL:
-                                if cutlass.const_expr(jc == n_pass - 1 and plain):
+                                if cutlass.const_expr(jc == n_pass - 1):
                                     cute.autovec_copy(rS, cute.local_tile(
                                         mCheckpoint[slot64, vhead, i_warp + r, None], (vec,), (lane,)))
                                 else:
                                     cute.autovec_copy(rS, tS)
-                    if cutlass.const_expr(not plain):
-                        # One fp32 state, cast independently into each copy: SR into a low-precision
-                        # checkpoint, RTN into the read copy.
-                        state_scale = Float32(1.0)
-                        if cutlass.const_expr(copies.whole_state):
-                            state_scale = tile_state_scale(sState, vec, True, sAmax)
-                            if tidx == 0:
-                                if cutlass.const_expr(ckpt_fmt.has_state_scale):
-                                    mCheckpointStateScale[slot64, vhead] = state_scale
-                                if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
-                                    mReadStateScale[slot64, vhead] = state_scale
-                        for r in cutlass.range(RW, unroll=2):
-                            rS = cute.make_rmem_tensor((vec,), Float32)
-                            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                            store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64,
-                                         vhead, i_warp + r, state_scale, sr_key)
 
             if cutlass.const_expr(counted):
                 # The last CTA of this row to finish advances the cursor (and the SR write

@@ -185,11 +185,12 @@ def compile_snapshot(shape: GDNShape, config: GDNConfig, num_drafts: int, option
     """Compile with `options`; launches on the caller's current CUDA stream."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
+    from ..state_io import COPY_ARGS
     from .verify import _fake_inputs
 
     args = _fake_inputs(shape, num_drafts)
-    for ring in ("mRingU", "mRingK", "mRingG", "mRingV", "mRingBeta", "mCursor", "mOrigin"):
-        args.pop(ring)
+    for name in ("mRingU", "mRingK", "mRingG", "mRingV", "mRingBeta", "mCursor", "mOrigin", *COPY_ARGS):
+        args.pop(name)  # verify's, not the snapshot's
     HV, V, K = shape.num_v_heads, shape.head_v_dim, shape.head_k_dim
     args["mSnapshots"] = make_fake_compact_tensor(
         Float32, (cute.sym_int(), num_drafts, HV, V, K), stride_order=(4, 3, 2, 1, 0), assumed_align=16)

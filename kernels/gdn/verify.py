@@ -237,10 +237,10 @@ class GDNVerify(DraftStepKernel):
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
             if cutlass.const_expr(lowp):
-                sEntry, _, _, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+                sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
                     copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
                     mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                    MMA_ROWS, W, False)
+                    MMA_ROWS, W)
             else:
                 start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (K + TILE_PAD) * 4)
             sGram, sSk, sUre, sVre = None, None, None, None

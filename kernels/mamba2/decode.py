@@ -55,12 +55,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (issue_tile_loads, launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus,
-                      warp_reduce_many, warp_sum)
+from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, fake_copy_tensors, fold_row, load_scale,
-                        make_copy_tmas, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        tile_state_scale)
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, fold_row,
+                        folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        write_state_scales)
 
 
 @dataclass(frozen=True)
@@ -199,10 +198,9 @@ class Mamba2Decode:
     ):
         s, c = self.shape, self.config
         H, P = s.nheads, s.headdim
-        tma_entry, mEntryTma, tma_ckpt, mCkptTma = make_copy_tmas(s.copies, mCheckpoint, mRead, H * P,
-                                                                  c.rows_per_warp)
+        tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, c.rows_per_warp)
         launch_tiles(self.kernel(
-            tma_entry, mEntryTma, tma_ckpt, mCkptTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
+            tma_entry, mEntryTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
             mOut, mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals, mCheckpointScale, mCheckpointStateScale,
             mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(), stream)
@@ -212,8 +210,6 @@ class Mamba2Decode:
         self,
         tma_entry: cute.CopyAtom,
         mEntryTma: cute.Tensor,
-        tma_ckpt: Optional[cute.CopyAtom],
-        mCkptTma: Optional[cute.Tensor],
         mCheckpoint: cute.Tensor,
         mX: cute.Tensor,
         mDt: cute.Tensor,
@@ -253,7 +249,7 @@ class Mamba2Decode:
         heads_per_group = H // G
         act = s.act_dtype
         copies = s.copies
-        ckpt_fmt, entry_fmt = copies.checkpoint, copies.entry
+        entry_fmt = copies.entry
         counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
         light = copies.light  # no fp32 tile: a flush folds row by row in registers
 
@@ -283,10 +279,9 @@ class Mamba2Decode:
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
             # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-            sEntry, sCkpt, mbarCkpt, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W,
-                not light)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
 
             # The ring is read by physical position p (record (p - origin) mod cap), every
             # position, so these loads wait only on the slot, not on the cursor; record order is
@@ -301,10 +296,6 @@ class Mamba2Decode:
                 dt_phys = mRingDt[slot64, lane % cap, head]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
-            if cutlass.const_expr(copies.separate and not light):
-                if flush:  # the entry tile holds the read copy; the recurrence needs the checkpoint
-                    if warp == 0:
-                        issue_tile_loads(tma_ckpt, mCkptTma, sCkpt, mbarCkpt, first_box, W, RW * ckpt_fmt.row_bytes)
 
             # Lane r < RW owns state row p_warp + r for the per-row terms (loads coalesce).
             lr = lane % RW
@@ -394,9 +385,6 @@ class Mamba2Decode:
             cute.arch.mbarrier_wait(mbar + warp, 0)
             if cutlass.const_expr(entry_fmt.scale_dtype is not None):
                 cute.arch.sync_warp()  # the staged scales
-            if cutlass.const_expr(copies.separate and not light):
-                if flush:
-                    cute.arch.mbarrier_wait(mbarCkpt + warp, 0)
             if cutlass.const_expr(light):
                 gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
                 y_row = Float32(0.0)  # lane r: S[p_r] . C
@@ -407,17 +395,24 @@ class Mamba2Decode:
                     rCoefs = cute.make_rmem_tensor((cap,), Float32)  # this lane's row, per position
                     ring_coefficients(w_j, rX, origin, h, rCoefs)
                     own = dt_cur * x_cur  # this token's weight: dt exp(0)
+                    state_scale = Float32(1.0)
+                    if cutlass.const_expr(copies.whole_state):  # nvfp4: the folded state's amax first
+                        state_scale = folded_state_scale(
+                            copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                            entry_state_scale, slot64, head, p_warp, gamma, own, rBa, rCoefs, sB, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
                                        sEntryScale, entry_state_scale, slot64, head, p_warp, r, rS)
                         fold_row(rS, gamma, own, rBa, rCoefs, sB, r, L > 1)
                         store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
-                                     p_warp + r, Float32(1.0), sr_key)
+                                     p_warp + r, state_scale, sr_key)
                         part = Float32(0.0)
                         for v in cutlass.range_constexpr(vec):
                             part = part + rS[v] * rC[v]
                         y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
+                    if cutlass.const_expr(copies.whole_state):
+                        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, head)
                 else:
                     for r in cutlass.range(RW, unroll=2):
                         rS = cute.make_rmem_tensor((vec,), Float32)
@@ -458,19 +453,7 @@ class Mamba2Decode:
                         for r in cutlass.range(RW, unroll=2):
                             tS = cute.local_tile(sState[r, None, warp], (vec,), (lane,))
                             rS = cute.make_rmem_tensor((vec,), Float32)
-                            if cutlass.const_expr(jc == 0 and ckpt_fmt.low_precision):
-                                # The recurrence starts from the checkpoint decoded to fp32.
-                                scale = Float32(1.0)
-                                if cutlass.const_expr(copies.separate):
-                                    scale = load_scale(ckpt_fmt, mCheckpointScale, mCheckpointStateScale, slot64,
-                                                       head, p_warp + r, lane * vec)
-                                else:
-                                    scale = smem_scale(ckpt_fmt, sEntryScale, warp, r, lane * vec,
-                                                       entry_state_scale)
-                                decode_slice(ckpt_fmt, cute.local_tile(sCkpt[r, None, warp], (ckpt_fmt.per_lane(vec),),
-                                                                       (lane,)), scale, rS)
-                            else:
-                                cute.autovec_copy(tS, rS)
+                            cute.autovec_copy(tS, rS)
                             if cutlass.const_expr(jc == 0):
                                 for v in cutlass.range_constexpr(vec):
                                     rS[v] = gamma * rS[v]
@@ -480,33 +463,16 @@ class Mamba2Decode:
                                     rS[v] = rS[v] + coef * rBc[jj, v]
                             cute.autovec_copy(rS, tS)
                     cute.arch.sync_warp()
-                state_scale = Float32(1.0)  # nvfp4's G of the folded state
-                if cutlass.const_expr(copies.whole_state):
-                    if flush:
-                        state_scale = tile_state_scale(sState, vec, True, sAmax)
-                        if tidx == 0:
-                            if cutlass.const_expr(ckpt_fmt.has_state_scale):
-                                mCheckpointStateScale[slot64, head] = state_scale
-                            if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
-                                mReadStateScale[slot64, head] = state_scale
-                # Output: flush rows read the folded state (and write it into every copy); others
-                # gamma (S_ckpt . C) + sum_j coef_j x_j from the entry tile.
+                # Output: flush rows read the folded state (and store it); others
+                # gamma (S_ckpt . C) + sum_j coef_j x_j from the tile.
                 gamma_out = cutlass.select_(flush, Float32(1.0), gamma)
                 y_row = Float32(0.0)  # lane r: S[p_r] . C
                 for r in cutlass.range(RW, unroll=2):
                     rS = cute.make_rmem_tensor((vec,), Float32)
-                    if cutlass.const_expr(entry_fmt.low_precision):
-                        if flush:
-                            cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                        else:
-                            scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
-                            decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),
-                                                                    (lane,)), scale, rS)
-                    else:
-                        cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
+                    cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                     if flush:
                         store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
-                                     p_warp + r, state_scale, sr_key)
+                                     p_warp + r, Float32(1.0), sr_key)
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
                         part = part + rS[v] * rC[v]

@@ -158,11 +158,12 @@ def compile_snapshot(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int, 
     """Compile with `options`; launches on the caller's current CUDA stream."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
+    from ..state_io import COPY_ARGS
     from .verify import _fake_inputs
 
     args = _fake_inputs(shape, num_drafts)
-    for ring in ("mRingX", "mRingB", "mRingDt", "mCursor", "mOrigin"):
-        args.pop(ring)
+    for name in ("mRingX", "mRingB", "mRingDt", "mCursor", "mOrigin", *COPY_ARGS):
+        args.pop(name)  # verify's, not the snapshot's
     H, P, N = shape.nheads, shape.headdim, shape.dstate
     args["mSnapshots"] = make_fake_compact_tensor(
         Float32, (cute.sym_int(), num_drafts, H, P, N), stride_order=(4, 3, 2, 1, 0), assumed_align=16)

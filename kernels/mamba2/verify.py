@@ -205,10 +205,10 @@ class Mamba2Verify(DraftStepKernel):
             first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
             if cutlass.const_expr(lowp):
-                sEntry, _, _, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+                sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
                     copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
                     mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                    MMA_ROWS, W, False)
+                    MMA_ROWS, W)
             else:
                 start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (N + TILE_PAD) * 4)
 

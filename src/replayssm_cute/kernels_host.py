@@ -29,15 +29,15 @@ def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: boo
     is amortised, with 2 warps for the conventional step. ``whole_head``: a CTA per head (the
     writer of an nvfp4 copy needs the whole state's amax). With `shape` of an fp16 / fp8 read
     copy at larger batch: a head per CTA in 32-row warps, registers capped for 8 CTAs per SM
-    (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256)."""
+    (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256), nvfp4 alike."""
     from .kernels.mamba2.decode import Mamba2Config
 
-    if whole_head:
-        return Mamba2Config(rows_per_cta=headdim, num_warps=4 if headdim % 4 == 0 else 1)
-    if shape is not None and shape.read_copy in ("fp16", "fp8") and batch > 16 and headdim % 32 == 0:
+    if shape is not None and shape.read_copy is not None and batch > 16 and headdim % 32 == 0:
         light = Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 32, min_ctas_per_sm=8)
         if light.check(shape) is None:
             return light
+    if whole_head:
+        return Mamba2Config(rows_per_cta=headdim, num_warps=4 if headdim % 4 == 0 else 1)
     if batch <= 16:
         return Mamba2Config(rows_per_cta=16, num_warps=4)
     choices = [(64, 4), (40, 2), (32, 2)] if window > 1 else [(32, 2), (40, 2)]
@@ -167,7 +167,7 @@ def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None, who
     read copies at larger batch (sweeps/bench_read_precision.py, batch 256)."""
     from .kernels.gdn.decode import GDNConfig
 
-    if shape is not None and shape.read_copy in ("fp16", "fp8") and batch > 16 and head_v_dim % 16 == 0:
+    if shape is not None and shape.read_copy is not None and batch > 16 and head_v_dim % 16 == 0:
         whole_head = GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16).check(shape) is None
     if whole_head:
         return GDNConfig(rows_per_cta=head_v_dim, num_warps=max(1, head_v_dim // 16))
