@@ -274,21 +274,30 @@ def rederive_corrections(sKeys: cute.Tensor, sGram: cute.Tensor, sSk: cute.Tenso
     beta_lane = Float32(0.0)
     if lane < h:
         beta_lane = mRingBeta[slot64, (origin + lane) % cap, vhead]
+    alpha_lane = cute.math.exp(g_j, fastmath=False)
     rPre = cute.make_rmem_tensor((cap,), Float32)
     rBeta = cute.make_rmem_tensor((cap,), Float32)
+    rAlpha = cute.make_rmem_tensor((cap,), Float32)
+    rPos = cute.make_rmem_tensor((cap,), Int32)  # ring position of record j
     for j in cutlass.range_constexpr(cap):
         rPre[j] = cute.arch.shuffle_sync(prefix, j)
         rBeta[j] = cute.arch.shuffle_sync(beta_lane, j)
+        rAlpha[j] = cute.arch.shuffle_sync(alpha_lane, j)
+        rPos[j] = cutlass.select_(origin + j >= cap, origin + j - cap, origin + j)
 
-    # Forward substitution along the records for this lane's row.
+    # Forward substitution along the records for this lane's row; e^{P_j - P_i} as the product of
+    # the decays alpha_{i+1} .. alpha_j, accumulated from i = j - 1 down (no exp per pair).
     rUrec = cute.make_rmem_tensor((cap,), Float32)
     rUrec.fill(0.0)
     for j in cutlass.range_constexpr(cap):
         if j < h:
-            p = (origin + j) % cap
+            p = rPos[j]
             acc = cute.math.exp(rPre[j], fastmath=False) * sSk[p, lr, warp]
-            for i in cutlass.range_constexpr(j):
-                acc = acc + cute.math.exp(rPre[j] - rPre[i], fastmath=False) * sGram[(origin + i) % cap, p] * rUrec[i]
+            decay = Float32(1.0)
+            for ii in cutlass.range_constexpr(j):
+                i = j - 1 - ii
+                decay = decay * rAlpha[i + 1]
+                acc = acc + decay * sGram[rPos[i], p] * rUrec[i]
             rUrec[j] = rBeta[j] * (sV[p, lr, warp] - acc)
             sUre[j, lr, warp] = rUrec[j]
     cute.arch.sync_warp()
