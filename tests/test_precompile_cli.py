@@ -419,6 +419,39 @@ def test_read_copy_variants_are_what_decode_builds(name):
         assert all(c.check(shape) is None for c in configs)
 
 
+@pytest.mark.parametrize("name", ["nemotron-super", "qwen3.5-122b"])
+@pytest.mark.parametrize("fmt", ["fp16", "nvfp4"])
+def test_read_copy_draft_variants_are_what_verify_builds(name, fmt):
+    """--read-copies with --drafts: decode and verify on a draft cache with that read copy, with
+    the shapes and launch configs decode / verify build for it; the commit is the plain cache's."""
+    import torch
+
+    from replayssm_cute import kernels_host as kh
+    from replayssm_cute.cache import GDNCache, Mamba2Cache
+
+    m = get_model(name)
+    got = precompile.draft_variants(m, 16, [4], ["bf16"], read_copy=fmt)
+    dims = (m.nheads, m.headdim, m.dstate, m.ngroups)
+    whole = fmt == "nvfp4"
+    if m.layer == "gdn":
+        cache = GDNCache(1, *dims, window=16, max_draft=4, device="meta", read_copy=fmt)
+        shape = kh._gdn_cache_shape(cache, torch.bfloat16, torch.float32, torch.float32, None)
+        dec = {kh.default_gdn_config(m.headdim, b, 16, shape, whole) for b in (1, 4096)}
+        ver = {kh.default_gdn_verify_config(m.headdim, b, whole) for b in (1, 4096)}
+    else:
+        cache = Mamba2Cache(1, *dims, window=16, max_draft=4, device="meta", read_copy=fmt)
+        shape = kh._mamba2_cache_shape(cache, torch.bfloat16, True, False, True, True)
+        dec = {kh.default_mamba2_config(m.headdim, b, 16, whole, shape) for b in (1, 4096)}
+        ver = {kh.default_mamba2_verify_config(m.headdim, b, whole) for b in (1, 4096)}
+    assert {v.kind for v in got} == {"decode", "verify"}
+    assert all(f"_read_{fmt}_" in v.label for v in got) and len({v.label for v in got}) == len(got)
+    assert {v.shape for v in got} == {shape}
+    assert {v.config for v in got if v.kind == "decode"} == dec
+    assert {v.config for v in got if v.kind == "verify"} == ver
+    if whole:
+        assert all(v.config.rows_per_cta == m.headdim for v in got)
+
+
 def test_unknown_read_copy(capsys):
     assert "--read-copies: unknown read copy 'fp4'" in _cli_error(
         capsys, ["--model", "nemotron-super", "--read-copies", "fp8,fp4"])

@@ -292,7 +292,12 @@ def verify(cache, *args, **kwargs):
     checkpoint and committed records without writing a state; the drafts' records are appended
     behind the committed ones; a row with h + T > window first folds its committed records into
     the checkpoint (one state write). Follow every verify with :func:`commit` before the next
-    step: between the two, a slot's cursor and origin are internal.
+    step: between the two, a slot's cursor, origin and SR write counter are internal.
+
+    On a cache with low-precision state the outputs read the read copy (else the checkpoint),
+    and a folding row reads the recurrence checkpoint and writes every copy from the one fp32
+    result (SR checkpoint, RTN read copy; GDN re-derives the committed corrections first when
+    ``flush_corrections == "rederive"``), as ``reference_lowprec.*_verify_lowprec_cache_``.
 
     Packed (varlen) form, as serving engines lay out drafts: pass ``cu_seqlens`` (an int32 tensor
     (b + 1,) on the cache's device) and ``num_drafts`` (the Python int T every row was drafted
@@ -367,7 +372,8 @@ def commit(cache, slot_ids, num_accepted):
 
     ``num_accepted`` is an int32 device tensor (b,), so a verify + commit step captures in one CUDA
     graph. Rejected drafts are dropped by moving the cursor (nothing is copied); after a flush
-    the origin moves past the folded records. Pad rows are skipped. Values outside 1..T are
+    the origin moves past the folded records (and, with an SR checkpoint, the slot's write
+    counter advances past the verify step's write). Pad rows are skipped. Values outside 1..T are
     not checked on the device (``REPLAYSSM_CUTE_DEBUG=1`` checks them on the host).
     """
     return _named("commit", _commit, cache, slot_ids, num_accepted)

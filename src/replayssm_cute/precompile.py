@@ -25,7 +25,8 @@ window + max(T) <= 32. --dump-ptx covers these kernels too.
 
 --read-copies F1,F2,... (default: none) adds the ReplaySSM decode kernels (--window) of caches
 with those low-precision read copies next to an fp32 checkpoint (GDN: keeping v and beta and
-re-deriving at a flush, the cache's defaults), with the launch configs decode picks for them.
+re-deriving at a flush, the cache's defaults), with the launch configs decode picks for them;
+with --drafts also their draft caches' decode and verify kernels.
 """
 
 from __future__ import annotations
@@ -199,12 +200,15 @@ class DraftVariant(NamedTuple):
     num_drafts: int  # T of a verify / commit kernel; 0 for "decode"
 
 
-def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad_slot_id: int = -1):
+def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad_slot_id: int = -1,
+                   read_copy=None):
     """Every kernel that speculative decoding with `drafts` draft counts needs at this model shape,
     on a cache with max_draft = max(drafts) and `window`: the decode kernels on that cache (its
     capacity differs from the window-only cache's), one verify kernel per (dtype, T, launch config)
     and one commit kernel per T. Launch configs: the defaults decode and verify pick for small and
     large batches. Arguments as `mamba2_variants` / `gdn_variants` (the engines' usual ones).
+    ``read_copy``: those of a cache with that read copy next to an fp32 checkpoint (GDN keeping v
+    and beta, re-deriving at a flush), without the commit kernels (the plain cache's).
     Raises ValueError (naming --drafts) when the draft counts do not apply."""
     import torch
 
@@ -218,35 +222,37 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     layer = model.layer
     max_draft = max(drafts)
     capacity = window + max_draft
+    whole_head = read_copy == "nvfp4"
     if layer == "gdn":
         from .kernels.gdn.verify import GDNVerify as Verify
 
         def make_shape(dtype):
             return kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, capacity,
-                                dtype, dtype, torch.float32, torch.float32, None, False, pad_slot_id)
+                                dtype, dtype, torch.float32, torch.float32, None, read_copy is not None,
+                                pad_slot_id, "fp32", read_copy, read_copy is not None)
 
         def decode_config(batch, shape):
-            return kh.default_gdn_config(model.headdim, batch, window, shape)
+            return kh.default_gdn_config(model.headdim, batch, window, shape, whole_head)
 
         def verify_config(batch, shape):
-            return kh.default_gdn_verify_config(model.headdim, batch)
+            return kh.default_gdn_verify_config(model.headdim, batch, whole_head)
     else:
         from .kernels.mamba2.verify import Mamba2Verify as Verify
 
         def make_shape(dtype):
             return kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window,
-                                   capacity, dtype, dtype, True, with_z, True, True, pad_slot_id)
+                                   capacity, dtype, dtype, True, with_z, True, True, pad_slot_id, "fp32", read_copy)
 
         def decode_config(batch, shape):
-            return kh.default_mamba2_config(model.headdim, batch, window)
+            return kh.default_mamba2_config(model.headdim, batch, window, whole_head, shape)
 
         def verify_config(batch, shape):
-            return kh.default_mamba2_verify_config(model.headdim, batch)
+            return kh.default_mamba2_verify_config(model.headdim, batch, whole_head)
 
     def configs(choose, shape):
         return sorted({choose(b, shape) for b in _BATCHES}, key=lambda c: c.key())
 
-    cache = f"L{window}_maxdraft{max_draft}"
+    cache = f"L{window}_maxdraft{max_draft}" + (f"_read_{read_copy}" if read_copy else "")
     out = []
     for dname in dtypes:
         shape = make_shape(getattr(torch, _DTYPES[dname]))
@@ -264,7 +270,7 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
                     raise ValueError(f"--drafts: the verify kernel cannot take T = {T} with {cfg}: {reason}")
                 out.append(DraftVariant(f"{layer}_verify_{cache}_T{T}_{dname}_{config_label(cfg)}",
                                         "verify", shape, cfg, T))
-    for T in drafts:
+    for T in drafts if read_copy is None else []:
         out.append(DraftVariant(f"{layer}_commit_{cache}_T{T}", "commit",
                                 CommitShape(window, capacity, T, pad_slot_id), None, T))
     return out
@@ -417,7 +423,8 @@ def main(argv=None) -> int:
             + read_copy_variants(model, args.window, dtypes, read_copies)]
     if drafts is not None:
         try:
-            spec = draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z)
+            spec = [v for r in [None] + read_copies
+                    for v in draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z, read_copy=r)]
         except ValueError as e:
             parser.error(str(e))
         jobs += [(v.label, lambda v=v: compile_draft_variant(layer, v),
