@@ -44,7 +44,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import f32_asm, make_row_tma, ptx_op, start_tile_loads
+from .common import f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, ptx_op, start_tile_loads
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
@@ -478,6 +478,57 @@ def entry_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slo
     return copy_rows_tma(entry, copies.entry.cols, rows_per_slot, box_rows)
 
 
+def work_tile_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, box_rows: int):
+    """Host side of a kernel with a padded fp32 work tile (the verify kernels): a low-precision
+    entry lands in a tile of its own (``entry_tma``; ``fill_work_tile`` decodes it), an fp32
+    checkpoint in the work tile itself (``make_padded_row_tma``)."""
+    if copies.entry.low_precision:
+        return entry_tma(copies, mCheckpoint, mRead, rows_per_slot, box_rows)
+    K = copies.K
+    return make_padded_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
+        (mCheckpoint.shape[0] * rows_per_slot, K), stride=(K, 1))), box_rows, K)
+
+
+@cute.jit
+def start_work_tile_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_atom, mTma,
+                          first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32,
+                          mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter):
+    """A work-tile kernel's loads at entry (``work_tile_tma``; a warp per stage of ``sState``):
+    ``start_state_loads`` for a low-precision entry, else the fp32 rows straight into the padded
+    tile. Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key), None where unused."""
+    rows, width, warps = cute.size(sState, mode=[0]), cute.size(sState, mode=[1]), cute.size(sState, mode=[2])
+    sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
+    if cutlass.const_expr(copies.entry.low_precision):
+        sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+            copies, smem, sState, mbar, tma_atom, mTma, first_box, first_row, slot, slot64, head, mCheckpointScale,
+            mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, rows, warps)
+    else:
+        start_tile_loads(tma_atom, mTma, sState, mbar, first_box, warps, rows * width * 4)
+    return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key
+
+
+@cute.jit
+def fold_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, rCoef: cute.Tensor,
+                   sKeys: cute.Tensor, gamma: Float32, fold_cols: cutlass.Constexpr[int],
+                   keys_exact: cutlass.Constexpr[bool], mCheckpoint, mCheckpointScale, mCheckpointStateScale, mRead,
+                   mReadScale, mReadStateScale, slot: Int64, head: Int32, first_row: Int32, sAmax, key: Uint32):
+    """A flushing row's fold of the warp's rows of the work tile (``fold_into_checkpoint``) into
+    every copy: straight into an fp32 checkpoint, else in place in the tile and then cast into each
+    copy (``store_work_tile``: every thread of the CTA calls it)."""
+    rows = cute.size(sState, mode=[0])
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if cutlass.const_expr(copies.entry.low_precision):
+        fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (rows, copies.K), (0, 0)),
+                             sState, warp, rCoef, sKeys, gamma, fold_cols, keys_exact)
+        cute.arch.sync_warp()
+        store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale, mRead,
+                        mReadScale, mReadStateScale, slot, head, first_row, key)
+    else:
+        fold_into_checkpoint(cute.local_tile(mCheckpoint[slot, head, None, None], (rows, copies.K),
+                                             (first_row // rows, 0)),
+                             sState, warp, rCoef, sKeys, gamma, fold_cols, keys_exact)
+
+
 @cute.jit
 def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
                       first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
@@ -607,24 +658,27 @@ def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
     """The warp's rows of the fp32 work tile ``sState`` (rows, >= K, warps) decoded from its
     low-precision entry tile (landed: the caller waited on its mbarrier), or on a flush from the
     checkpoint (``checkpoint_row``: the entry tile itself, or global memory next to a read copy),
-    so that the fp32 tile code of a kernel runs unchanged on any cache."""
+    so that the fp32 tile code of a kernel runs unchanged on any cache; nothing for an fp32 entry,
+    which lands in the work tile itself."""
     entry = copies.entry
-    rows = cute.size(sEntry, mode=[0])
-    vec = copies.K // 32
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    lane = cute.arch.lane_idx()
-    if cutlass.const_expr(entry.scale_dtype is not None):
-        cute.arch.sync_warp()  # the staged scales
-    for r in cutlass.range(rows, unroll=4):
-        rS = cute.make_rmem_tensor((vec,), Float32)
-        if flush:
-            checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                           entry_state_scale, slot, head, first_row, r, rS)
-        else:
-            scale = smem_scale(entry, sEntryScale, warp, r, lane * vec, entry_state_scale)
-            decode_slice(entry, cute.local_tile(sEntry[r, None, warp], (entry.per_lane(vec),), (lane,)), scale, rS)
-        cute.autovec_copy(rS, cute.local_tile(sState[r, None, warp], (vec,), (lane,)))
-    cute.arch.sync_warp()
+    if cutlass.const_expr(entry.low_precision):
+        rows = cute.size(sEntry, mode=[0])
+        vec = copies.K // 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if cutlass.const_expr(entry.scale_dtype is not None):
+            cute.arch.sync_warp()  # the staged scales
+        for r in cutlass.range(rows, unroll=4):
+            rS = cute.make_rmem_tensor((vec,), Float32)
+            if flush:
+                checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                               entry_state_scale, slot, head, first_row, r, rS)
+            else:
+                scale = smem_scale(entry, sEntryScale, warp, r, lane * vec, entry_state_scale)
+                decode_slice(entry, cute.local_tile(sEntry[r, None, warp], (entry.per_lane(vec),), (lane,)), scale,
+                             rS)
+            cute.autovec_copy(rS, cute.local_tile(sState[r, None, warp], (vec,), (lane,)))
+        cute.arch.sync_warp()
 
 
 @cute.jit

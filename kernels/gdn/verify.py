@@ -55,10 +55,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
-                      load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
-                      rows_times_columns, slot_is_live, start_tile_loads, verify_check)
-from ..state_io import copy_rows_tma, fake_copy_tensors, fill_work_tile, start_state_loads, store_work_tile
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
+                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, verify_check)
+from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
+                        work_tile_tma)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape, rederive_corrections, row_key_dots
 
@@ -145,15 +145,7 @@ class GDNVerify(DraftStepKernel):
         s, c = self.shape, self.config
         HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
         copies = s.copies
-        if cutlass.const_expr(copies.entry.low_precision):  # a low-precision entry tile, decoded into the fp32 one
-            entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
-            tma_atom, mRowsTma = copy_rows_tma(entry, copies.entry.cols, HV * V, MMA_ROWS)
-        else:
-            mRows = cute.make_tensor(
-                mCheckpoint.iterator,
-                cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)),
-            )
-            tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, K)
+        tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, HV * V, MMA_ROWS)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
             mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale,
@@ -203,7 +195,6 @@ class GDNVerify(DraftStepKernel):
         act = s.act_dtype
         exact = act.width < 32  # bf16 / fp16 ring keys are exact in TF32
         copies = s.copies
-        lowp = copies.entry.low_precision
         rederive = s.rederive
 
         tidx, _, _ = cute.arch.thread_idx()
@@ -235,14 +226,9 @@ class GDNVerify(DraftStepKernel):
                 Float32, cute.make_layout((MMA_ROWS, 2 * TP, W), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))),
                 byte_alignment=16)
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
-            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
-            if cutlass.const_expr(lowp):
-                sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
-                    copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
-                    mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                    MMA_ROWS, W)
-            else:
-                start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (K + TILE_PAD) * 4)
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
+                copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter)
             sGram, sSk, sUre, sVre = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -357,9 +343,9 @@ class GDNVerify(DraftStepKernel):
             if cutlass.const_expr(not rederive):
                 _ring_part(rRing, rU, sDot, False)
             cute.arch.mbarrier_wait(mbar + warp, 0)
-            if cutlass.const_expr(lowp):  # the read copy, or on a flush the recurrence checkpoint, in fp32
-                fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
-                               mCheckpointScale, mCheckpointStateScale, slot64, vhead, i_warp)
+            # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
+            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
+                           mCheckpointScale, mCheckpointStateScale, slot64, vhead, i_warp)
             if cutlass.const_expr(rederive):
                 if flush:  # Algorithm 6: the committed corrections from the checkpoint, by record
                     for r in cutlass.range(MMA_ROWS, unroll=1):
@@ -419,16 +405,9 @@ class GDNVerify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rU[i, kf], Float32(0.0))
-                if cutlass.const_expr(lowp):  # in place in the fp32 tile, then into every copy
-                    fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (MMA_ROWS, K), (0, 0)),
-                                         sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
-                    cute.arch.sync_warp()
-                    store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
-                                    mRead, mReadScale, mReadStateScale, slot64, vhead, i_warp, sr_key)
-                else:
-                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K),
-                                                         (i_warp // MMA_ROWS, 0)),
-                                         sState, warp, rCoef, sKeys, gamma, fold_cols(K), exact)
+                fold_work_tile(copies, sState, rCoef, sKeys, gamma, fold_cols(K), exact, mCheckpoint, mCheckpointScale,
+                               mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot64, vhead, i_warp, sAmax,
+                               sr_key)
 
             # The drafts' keys (once per key head) and decays (once per value head).
             if ptile == 0 and warp == 0:

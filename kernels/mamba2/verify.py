@@ -57,10 +57,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, fold_into_checkpoint, launch_tiles,
-                      load_b_fragment, make_padded_row_tma, mma_tf32, padded_tile_layout, round_up,
-                      rows_times_columns, slot_is_live, softplus, start_tile_loads, verify_check)
-from ..state_io import copy_rows_tma, fake_copy_tensors, fill_work_tile, start_state_loads, store_work_tile
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
+                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, softplus, verify_check)
+from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
+                        work_tile_tma)
 from .decode import Mamba2Config, Mamba2Shape
 
 class Mamba2Verify(DraftStepKernel):
@@ -117,15 +117,7 @@ class Mamba2Verify(DraftStepKernel):
         s, c = self.shape, self.config
         H, P, N = s.nheads, s.headdim, s.dstate
         copies = s.copies
-        if cutlass.const_expr(copies.entry.low_precision):  # a low-precision entry tile, decoded into the fp32 one
-            entry = mRead if cutlass.const_expr(copies.separate) else mCheckpoint
-            tma_atom, mRowsTma = copy_rows_tma(entry, copies.entry.cols, H * P, MMA_ROWS)
-        else:
-            mRows = cute.make_tensor(
-                mCheckpoint.iterator,
-                cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)),
-            )
-            tma_atom, mRowsTma = make_padded_row_tma(mRows, MMA_ROWS, N)
+        tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, H * P, MMA_ROWS)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
             mRingX, mRingB, mRingDt, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale, mRead, mReadScale,
@@ -176,7 +168,6 @@ class Mamba2Verify(DraftStepKernel):
         act = s.act_dtype
         exact = act.width < 32  # bf16 / fp16 values are exact in TF32
         copies = s.copies
-        lowp = copies.entry.low_precision
 
         tidx, _, _ = cute.arch.thread_idx()
         ptile, head, row = cute.arch.block_idx()
@@ -203,14 +194,9 @@ class Mamba2Verify(DraftStepKernel):
             # w_{j,t} (B_q . C_t) per (draft t, column q); zero where q holds no record before t.
             sDot = smem.allocate_tensor(Float32, cute.make_layout((TP, NQP), stride=(NQP + 4, 1)), byte_alignment=16)
             first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
-            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
-            if cutlass.const_expr(lowp):
-                sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
-                    copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
-                    mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
-                    MMA_ROWS, W)
-            else:
-                start_tile_loads(tma_atom, mRowsTma, sState, mbar, first_box, W, MMA_ROWS * (N + TILE_PAD) * 4)
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
+                copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter)
 
             h = mCursor[slot]
             origin = mOrigin[slot]
@@ -325,9 +311,9 @@ class Mamba2Verify(DraftStepKernel):
                 load_b_fragment(rW, sDot, 8 * kq, NT)
                 mma_tf32(rRing, rA, rW, not exact, True)
             cute.arch.mbarrier_wait(mbar + warp, 0)
-            if cutlass.const_expr(lowp):  # the read copy, or on a flush the recurrence checkpoint, in fp32
-                fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
-                               mCheckpointScale, mCheckpointStateScale, slot64, head, p_warp)
+            # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
+            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
+                           mCheckpointScale, mCheckpointStateScale, slot64, head, p_warp)
             rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
             rSC.fill(0.0)
             rows_times_columns(rSC, sState, warp, sC, N // 8, exact)
@@ -360,16 +346,9 @@ class Mamba2Verify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rX[i, kf], Float32(0.0))
-                if cutlass.const_expr(lowp):  # in place in the fp32 tile, then into every copy
-                    fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (MMA_ROWS, N), (0, 0)),
-                                         sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
-                    cute.arch.sync_warp()
-                    store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
-                                    mRead, mReadScale, mReadStateScale, slot64, head, p_warp, sr_key)
-                else:
-                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N),
-                                                         (p_warp // MMA_ROWS, 0)),
-                                         sState, warp, rCoef, sB, gamma, fold_cols(N), exact)
+                fold_work_tile(copies, sState, rCoef, sB, gamma, fold_cols(N), exact, mCheckpoint, mCheckpointScale,
+                               mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot64, head, p_warp, sAmax,
+                               sr_key)
 
             # The drafts' B (once per group) and dt records.
             if ptile == 0 and warp == 0:
