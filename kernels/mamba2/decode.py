@@ -45,6 +45,9 @@ elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + 
 cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
 flush reads the checkpoint, rebuilds the state in fp32 and writes it into every copy: SR into a
 low-precision checkpoint (bits keyed by sr_seed, slot and sr_counter), RTN into the read copy.
+With a low-precision entry (``StateCopies.light``) the kernel keeps no fp32 tile: a flush reads the
+checkpoint rows (from the entry tile, or from global memory next to a read copy) and folds them in
+registers, twice for an nvfp4 writer (the whole-state amax, then the stores).
 """
 
 from dataclasses import dataclass
