@@ -620,21 +620,32 @@ def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mC
 
 
 @cute.jit
+def folded_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
+               sEntryScale, entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32, r: Int32,
+               gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor, sKeys: cute.Tensor,
+               ring: cutlass.Constexpr[bool], out: cute.Tensor):
+    """``out`` (vec,) fp32 <- the lane's slice of warp row ``r`` of the state a light flush folds:
+    the checkpoint row (``checkpoint_row``) folded in registers (``fold_row``)."""
+    checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                   entry_state_scale, slot, head, first_row, r, out)
+    fold_row(out, gamma, own, rOwnKey, rCoefs, sKeys, r, ring)
+
+
+@cute.jit
 def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mCheckpointScale, mCheckpointStateScale,
                        sEntry, sEntryScale, entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32,
                        gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor, sKeys: cute.Tensor,
                        ring: cutlass.Constexpr[bool], sAmax: cute.Tensor) -> Float32:
-    """nvfp4's G of the state a light flush folds (``fold_row`` of the warp's checkpoint rows, as
-    the pass that stores them will), reduced over the CTA: the first of a light nvfp4 flush's two
-    passes. Every thread of the CTA calls it."""
+    """nvfp4's G of the state a light flush folds (``folded_row`` of the warp's rows, as the pass
+    that stores them will), reduced over the CTA: the first of a light nvfp4 flush's two passes.
+    Every thread of the CTA calls it."""
     rows = cute.size(sEntry, mode=[0])
     vec = copies.K // 32
     amax = Float32(0.0)
     for r in cutlass.range(rows, unroll=4):
         rS = cute.make_rmem_tensor((vec,), Float32)
-        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                       entry_state_scale, slot, head, first_row, r, rS)
-        fold_row(rS, gamma, own, rOwnKey, rCoefs, sKeys, r, ring)
+        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                   entry_state_scale, slot, head, first_row, r, gamma, own, rOwnKey, rCoefs, sKeys, ring, rS)
         amax = _max_nan(amax, lane_amax(rS))
     return cta_state_scale(amax, sAmax)
 

@@ -64,7 +64,7 @@ from cutlass.memory import SmemAllocator
 
 from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, fold_row,
+from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
 from .common import gdn_gates, normalize_qk
@@ -623,9 +623,9 @@ class GDNDecode:
                             entry_state_scale, slot64, vhead, i_warp, gamma, u, rK, rCoefs, sKeys, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
-                                       sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
-                        fold_row(rS, gamma, u, rK, rCoefs, sKeys, r, L > 1)
+                        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                                   entry_state_scale, slot64, vhead, i_warp, r, gamma, u, rK, rCoefs, sKeys,
+                                   L > 1, rS)
                         store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, vhead,
                                      i_warp + r, state_scale, sr_key)
                     if cutlass.const_expr(copies.whole_state):

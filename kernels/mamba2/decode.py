@@ -60,7 +60,7 @@ from cutlass.memory import SmemAllocator
 
 from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum
 from ..config_space import config_space
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, fold_row,
+from ..state_io import (StateCopies, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
 
@@ -405,9 +405,9 @@ class Mamba2Decode:
                             entry_state_scale, slot64, head, p_warp, gamma, own, rBa, rCoefs, sB, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
-                                       sEntryScale, entry_state_scale, slot64, head, p_warp, r, rS)
-                        fold_row(rS, gamma, own, rBa, rCoefs, sB, r, L > 1)
+                        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
+                                   entry_state_scale, slot64, head, p_warp, r, gamma, own, rBa, rCoefs, sB,
+                                   L > 1, rS)
                         store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
                                      p_warp + r, state_scale, sr_key)
                         part = Float32(0.0)
