@@ -66,8 +66,10 @@ class DraftStepKernel:
         self.shape, self.config, self.num_drafts = shape, config, num_drafts
 
 
-def verify_check(shape, config, num_drafts: int, smem_bytes: int):
-    """None if a verify kernel takes (shape, config, T), else why not (both layer types)."""
+def verify_check(shape, config, num_drafts: int):
+    """None if a verify kernel's tiling takes (shape, config, T), else why not (both layer types);
+    the kernel's own check then adds its state copies and shared memory, computed from fields
+    this one has checked."""
     reason = config.check_tiles(shape)
     if reason is not None:
         return reason
@@ -80,11 +82,12 @@ def verify_check(shape, config, num_drafts: int, smem_bytes: int):
                 f"{shape.capacity - shape.window}, window {shape.window})")
     if shape.window + num_drafts > 32:
         return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
-    return smem_fit(smem_bytes, config.min_ctas_per_sm)
+    return None
 
 
-def snapshot_check(shape, config, num_drafts: int, smem_bytes: int):
-    """None if a snapshot-baseline kernel takes (shape, config, T), else why not."""
+def snapshot_check(shape, config, num_drafts: int):
+    """None if a snapshot-baseline kernel's tiling takes (shape, config, T), else why not; the
+    kernel's own check then adds its shared memory."""
     if shape.window != 1:
         return "the snapshot baseline runs on a conventional cache (window 1)"
     reason = config.check(shape)
@@ -95,7 +98,7 @@ def snapshot_check(shape, config, num_drafts: int, smem_bytes: int):
         return f"rows per warp {rw}: a power of two up to 8 (a warp keeps its rows in registers)"
     if not 1 <= num_drafts <= 16:
         return f"num_drafts {num_drafts}: 1..16"
-    return smem_fit(smem_bytes, config.min_ctas_per_sm)
+    return None
 
 
 def pow2_at_least(n: int) -> int:

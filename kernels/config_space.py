@@ -4,10 +4,12 @@ Every kernel here takes the same three knobs (Mamba2Config and GDNConfig): rows_
 rows of one head per CTA, num_warps warps splitting them, and min_ctas_per_sm, which caps
 registers so that many CTAs fit on an SM. ``config_space`` lists the combinations worth timing
 for a head of ``rows`` state rows; each kernel's own check (shared memory, rows per warp, ring
-capacity, ...) then keeps those it takes. Pure Python: no cutlass, no GPU.
+capacity, ...) then keeps those it takes. ``launch_check`` refuses the values no launch takes
+(every kernel check runs it first, and so does the tuned-config file parser). Pure Python: no
+cutlass, no GPU.
 """
 
-from typing import List
+from typing import List, Optional
 
 TUNE_NUM_WARPS = tuple(range(1, 9))
 TUNE_MIN_CTAS_PER_SM = (0, 2, 4, 6, 8, 12, 16)  # 8+: light read-copy tiles (small shared memory)
@@ -15,6 +17,9 @@ MIN_TILE_ROWS = 8  # smaller tiles launch more CTAs than rows are worth (at leas
 
 REGISTERS_PER_SM = 64 * 1024  # sm_90 / sm_100 / sm_103
 THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
+MAX_THREADS_PER_CTA = 1024
+MAX_WARPS_PER_CTA = MAX_THREADS_PER_CTA // 32
 MAX_REGISTERS_PER_THREAD = 255
 # Below this a capped kernel spills its per-lane state: such configs are not worth compiling.
 MIN_REGISTERS_PER_THREAD = 64
@@ -30,6 +35,31 @@ def register_budget(num_warps: int, min_ctas_per_sm: int) -> int:
     if threads > THREADS_PER_SM:
         return 0
     return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // threads // 8 * 8)
+
+
+LAUNCH_FIELDS = ("rows_per_cta", "num_warps", "min_ctas_per_sm")
+
+
+def launch_check(rows_per_cta, num_warps, min_ctas_per_sm) -> Optional[str]:
+    """None if the three knobs make a launch at all, else why not, naming the field: integers,
+    at least one row, 1 to MAX_WARPS_PER_CTA warps, 0 (no register cap) to MAX_CTAS_PER_SM CTAs
+    whose threads fit on an SM together. Each kernel's check runs it first (the later checks
+    divide by these) and then adds its own limits."""
+    for name, value in zip(LAUNCH_FIELDS, (rows_per_cta, num_warps, min_ctas_per_sm)):
+        if type(value) is not int:  # what compile-cache keys and tuned files hold (no bools, no floats)
+            return f"{name} {value!r}: expected an int"
+    if rows_per_cta < 1:
+        return f"rows_per_cta {rows_per_cta}: expected at least 1"
+    if not 1 <= num_warps <= MAX_WARPS_PER_CTA:
+        return (f"num_warps {num_warps}: expected 1..{MAX_WARPS_PER_CTA} "
+                f"(a CTA holds at most {MAX_THREADS_PER_CTA} threads)")
+    if not 0 <= min_ctas_per_sm <= MAX_CTAS_PER_SM:
+        return (f"min_ctas_per_sm {min_ctas_per_sm}: expected 0 (no register cap) to {MAX_CTAS_PER_SM} "
+                f"(the CTAs an SM holds)")
+    if register_budget(num_warps, min_ctas_per_sm) == 0:
+        return (f"min_ctas_per_sm {min_ctas_per_sm}: {min_ctas_per_sm} CTAs of {num_warps} warps are "
+                f"{min_ctas_per_sm * num_warps * 32} threads, more than an SM holds ({THREADS_PER_SM})")
+    return None
 
 
 def config_space(config_cls, rows: int) -> List:

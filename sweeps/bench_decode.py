@@ -1,11 +1,11 @@
 """Decode latency: conventional vs ReplaySSM standard decoding, Mamba-2 and GDN model shapes (GPU).
 
-    python sweeps/bench_decode.py --out sweeps/results/decode_h200.csv     # every model, all batches
+    python sweeps/bench_decode.py                                          # every model, all batches
     python sweeps/bench_decode.py --quick                                  # fast GPU check
     python sweeps/bench_decode.py --layers gdn --batch 1,256               # a subset
     CUTE_DSL_ARCH=sm_90a python sweeps/bench_decode.py --compile-only      # fill the compile cache
 
-Protocol (shared/docs/performance.md): every figure is the median over replays of a CUDA graph of
+Protocol (docs/benchmarking.md): every figure is the median over replays of a CUDA graph of
 many launches; the pool rotates over enough slot sets that each step streams its checkpoint from
 HBM (>= 512 MB per rotation, far above the 60 MB L2); inputs are random with realistic decays. The
 device-to-device copy rate is measured in the same run and every kernel is reported as achieved
@@ -36,10 +36,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replayssm_cute.models import MODELS, get_model  # noqa: E402
 from replayssm_cute.perf import (  # noqa: E402
     DecodePool, bench_layer, compile_pool_kernel, ideal_bytes, time_graph)
+from result_files import check_out, default_out, device_tag, gpu_name  # noqa: E402
 
 DEFAULT_MODELS = "nemotron-super,nemotron-nano-4b,qwen3.5-4b,qwen3.5-122b"
 BATCHES = "1,32,64,128,256,512"
@@ -201,8 +203,8 @@ def measure(model, batch, L, bw, configs, replays):
 
 
 def make_parser(doc: str, stem: str, models: str, batches: str, quick_batches: str, quick_what: str):
-    """The arguments every sweep here takes; CSVs go to sweeps/results/<stem>_h200.csv (with
-    --quick <stem>_quick.csv); `quick_what` says what --quick cuts besides the batches. A sweep
+    """The arguments every sweep here takes; CSVs go to a new file per device and day
+    (result_files.default_out); `quick_what` says what --quick cuts besides the batches. A sweep
     adds its own arguments, then calls ``parse_args``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=models,
@@ -213,9 +215,10 @@ def make_parser(doc: str, stem: str, models: str, batches: str, quick_batches: s
     ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L (default 16)")
     ap.add_argument("--quick", action="store_true",
                     help=f"fast GPU check: batches {quick_batches}, {quick_what}, fewer replays, output to "
-                         f"sweeps/results/{stem}_quick.csv")
-    ap.add_argument("--out", help=f"CSV path (default sweeps/results/{stem}_h200.csv, with --quick "
-                                  f"sweeps/results/{stem}_quick.csv)")
+                         f"sweeps/results/{stem}_<device>_<date>_quick.csv")
+    ap.add_argument("--out", help=f"CSV path (default sweeps/results/{stem}_<device>_<date>.csv, a new file per "
+                                  f"device and day: <device> the GPU's short name, e.g. h200, <date> today's, "
+                                  f"YYYY-MM-DD)")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="compile worker processes (default min(16, CPUs))")
     ap.add_argument("--replays", type=int, help="CUDA-graph replays per timing (default 15, with --quick 7)")
@@ -239,7 +242,8 @@ def int_list(ap, flag: str, text: str):
 
 def parse_args(ap, argv):
     """Parse `argv` with a ``make_parser`` parser: models (as ModelSpecs, filtered by --layers),
-    batches, window, output path and replays checked and filled in."""
+    batches, window, output path (checked writable before any work) and replays checked and
+    filled in."""
     args = ap.parse_args(argv)
     try:
         args.models = [get_model(m.strip()) for m in args.models.split(",") if m.strip()]
@@ -254,7 +258,8 @@ def parse_args(ap, argv):
     args.batch = int_list(ap, "--batch", args.batch or (args.quick_batches if args.quick else args.default_batches))
     if not 2 <= args.window <= 32:
         ap.error("--window must be in 2..32 (window 1, the conventional step, is always measured)")
-    args.out = args.out or f"sweeps/results/{args.stem}_{'quick' if args.quick else 'h200'}.csv"
+    args.out = args.out or str(default_out(args.stem, device_tag(gpu_name()), args.quick))
+    check_out(ap, "--out", args.out)
     args.replays = args.replays or (7 if args.quick else 15)
     return args
 

@@ -6,7 +6,7 @@ the fp32 checkpoint or an fp16 / fp8 / nvfp4 read copy, Mamba-2 and GDN model sh
     python sweeps/bench_read_precision.py --quick                  # fast GPU check
     CUTE_DSL_ARCH=sm_90a python sweeps/bench_read_precision.py --compile-only   # fill the compile cache
 
-Protocol as bench_decode.py (shared/docs/performance.md): every figure is the median over replays of
+Protocol as bench_decode.py (docs/benchmarking.md): every figure is the median over replays of
 a CUDA graph of many launches; the pool rotates over slot sets holding >= 512 MiB of the state a
 non-flush step reads (the read copy with its scales, or the fp32 checkpoint), far above the 60 MB
 L2; random inputs with realistic decays; the device-to-device copy rate is measured in the same
@@ -42,7 +42,7 @@ R + h e + T e_w + T act, flushing (h + T > L) 2 S (+ R) + h e_f + T e_w + T act.
 
 A format whose decode or verify raises NotImplementedError on the GPU (kernels not written yet) is
 reported with empty cells and the reason in the ``note`` column. Output: the CSV (default
-sweeps/results/read_precision_<gpu>_b<batch>.csv), a printed table and a bar plot next to the CSV
+sweeps/results/read_precision_<device>_<date>.csv), a printed table and a bar plot next to the CSV
 (matplotlib, pip install -e '.[plots]'; skipped with a message without it). Every kernel is
 compiled first, in parallel worker processes, into the on-disk compile cache.
 """
@@ -50,11 +50,10 @@ compiled first, in parallel worker processes, into the on-disk compile cache.
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
@@ -64,6 +63,7 @@ from bench_decode import (  # noqa: E402
     NO_GPU, QUICK_CANDIDATES, SMALL_BATCH, candidate_configs, compile_target, int_list, make_parser, parse_args,
     precompile_and_copy_rate, write_rows)
 from bench_verify import speculative_configs, steps_per_set  # noqa: E402
+from result_files import check_out, device_tag, gpu_name  # noqa: E402
 from replayssm_cute.perf import (  # noqa: E402
     DecodePool, bench_layer, compile_commit_kernel, compile_pool_kernel, cursor_cycle, read_copy_arg,
     read_ideal_bytes, state_bytes, state_ratio, time_graph, verify_read_ideal_bytes)
@@ -110,23 +110,17 @@ def build_parser():
     ap.add_argument("--configs", choices=CONFIG_MODES, default="grid",
                     help="launch configs per kernel: grid (default: the API's pick and bench_decode's "
                          "candidates, the best reported) or default (the API's pick only)")
-    for action in ap._actions:  # bench_decode's parser names another default
-        if "--out" in action.option_strings:
-            action.help = (f"CSV path (default sweeps/results/{STEM}_<gpu>_b<batch>.csv, <gpu> from the device "
-                           f"name, e.g. h200; with --quick sweeps/results/{STEM}_quick.csv)")
     ap.add_argument("--plot", help="plot path (default: the CSV's path with .png)")
     ap.add_argument("--no-plot", action="store_true", help="write no plot")
     return ap
 
 
 def parse(argv=None):
-    """The checked arguments: bench_decode's (models as ModelSpecs, batches, window, replays, ...)
-    plus formats, drafts, accepted, cursor; ``out`` is None unless given (``default_out`` names
-    it once the GPU is known) and ``plot`` None under --no-plot."""
+    """The checked arguments: bench_decode's (models as ModelSpecs, batches, window, output path,
+    replays, ...) plus formats, drafts, accepted, cursor; ``plot`` None under --no-plot, else the
+    path checked writable."""
     ap = build_parser()
-    explicit_out = ap.parse_args(argv).out
     args = parse_args(ap, argv)
-    args.out = explicit_out
     L = args.window
     args.formats = parse_formats(ap, args.formats)
     if args.drafts < 0 or args.drafts > min(16, L) or L + args.drafts > 32:
@@ -144,26 +138,9 @@ def parse(argv=None):
         ap.error(f"--cursor: a non-flush step has 0 <= h <= window - 2 = {L - 2}, got {args.cursor}")
     if args.no_plot:
         args.plot = None
+    elif args.plot is not None:
+        check_out(ap, "--plot", args.plot)
     return args
-
-
-def gpu_tag(device_name: str) -> str:
-    """A short lowercase name of the GPU for file names: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB
-    HBM3" -> "h100", "NVIDIA GeForce RTX 4090" -> "rtx4090"; "gpu" if nothing is left."""
-    words = [w for w in re.split(r"[\s_-]+", device_name)
-             if w and w.lower() not in ("nvidia", "geforce", "tesla", "quadro")]
-    if words and words[0].lower() in ("rtx", "gtx") and len(words) > 1:
-        words = [words[0] + words[1]] + words[2:]
-    tag = re.sub(r"[^a-z0-9]", "", words[0].lower()) if words else ""
-    return tag or "gpu"
-
-
-def default_out(gpu: str, batches: Sequence[int], quick: bool = False) -> str:
-    """sweeps/results/read_precision_<gpu>_b<batch>.csv (batches joined by "-"); with --quick
-    sweeps/results/read_precision_quick.csv, as the other sweeps."""
-    if quick:
-        return f"sweeps/results/{STEM}_quick.csv"
-    return f"sweeps/results/{STEM}_{gpu}_b{'-'.join(map(str, batches))}.csv"
 
 
 # ------------------------------------------------------------------------------------ byte model
@@ -561,12 +538,10 @@ def main(argv=None):
     bw = precompile_and_copy_rate(jobs, args, arch, _compile_job)
     if bw is None:
         return 0
-    gpu = gpu_tag(torch.cuda.get_device_name())
-    out = args.out or default_out(gpu, args.batch, args.quick)
-    plot_path = None if args.no_plot else (args.plot or str(Path(out).with_suffix(".png")))
-    rows = measure_rows(args, bw, gpu, out)
+    plot_path = None if args.no_plot else (args.plot or str(Path(args.out).with_suffix(".png")))
+    rows = measure_rows(args, bw, device_tag(gpu_name()), args.out)
     print()
-    write_outputs(rows, out, plot_path)
+    write_outputs(rows, args.out, plot_path)
     return 0
 
 

@@ -1,11 +1,11 @@
 """Speculative verification latency: ReplaySSM verify + commit against the conventional step (GPU).
 
-    python sweeps/bench_verify.py --out sweeps/results/verify_h200.csv     # every case (~5 min, H200)
+    python sweeps/bench_verify.py                                          # every case (~5 min, H200)
     python sweeps/bench_verify.py --quick                                  # fast GPU check
     python sweeps/bench_verify.py --layers mamba2 --batch 256 --drafts 8   # a subset
     CUTE_DSL_ARCH=sm_90a python sweeps/bench_verify.py --compile-only      # fill the compile cache
 
-Protocol as bench_decode.py (shared/docs/performance.md): CUDA-graph timing (median over
+Protocol as bench_decode.py (docs/benchmarking.md): CUDA-graph timing (median over
 replays), a rotating pool of >= 512 MiB of checkpoints so every step streams its checkpoint from
 HBM, random inputs with realistic decays, the device-to-device copy rate measured in the same run.
 

@@ -1,6 +1,6 @@
 """Output error of low-precision SSM state against a float64 recurrence, as a function of the
-generation length N (issue 6): every cache configuration, on the CPU reference or on the GPU
-kernels.
+generation length N (docs/design.md section 5): every cache configuration, on the CPU reference
+or on the GPU kernels.
 
     python sweeps/error_growth.py                          # 4096 tokens, every configuration, both layers
     python sweeps/error_growth.py --tokens 65536 --plot sweeps/results/error_growth_64k.png
@@ -80,7 +80,6 @@ import contextlib
 import csv
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -90,14 +89,14 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import replayssm_cute as rs  # noqa: E402
 from replayssm_cute import reference as R  # noqa: E402
+from result_files import check_out, default_out, device_tag  # noqa: E402
 
 PROG = "error_growth"
 LAYERS = ("mamba2", "gdn")
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_OUT = RESULTS / "error_growth_cpu.csv"
 DEFAULT_TOKENS = 4096
 DEFAULT_BATCH = 2
 CUDA_DEFAULT_TOKENS = 65536  # --device cuda: the long run
@@ -699,18 +698,6 @@ def _names(ap, flag: str, text: str, valid: Sequence[str]) -> List[str]:
     return list(dict.fromkeys(names))
 
 
-def gpu_tag(name: str) -> str:
-    """Short lower-case tag of a GPU name for file names: "NVIDIA H200" -> "h200",
-    "NVIDIA A100-SXM4-80GB" -> "a100"; "cuda" when no model number is found."""
-    m = re.search(r"\b([A-Za-z]{1,2}\d{2,4}[A-Za-z]?)\b", name)
-    return m.group(1).lower() if m else "cuda"
-
-
-def default_out(device: str, gpu_name: Optional[str] = None) -> Path:
-    """sweeps/results/error_growth_cpu.csv, or error_growth_<gpu tag>.csv on CUDA."""
-    return DEFAULT_OUT if device == "cpu" else RESULTS / f"error_growth_{gpu_tag(gpu_name or '')}.csv"
-
-
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=None,
@@ -735,8 +722,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help=f"GDN HV,V,K,H (default {','.join(map(str, DEFAULT_SHAPES['gdn']))}, --device cuda "
                          f"{','.join(map(str, CUDA_DEFAULT_SHAPES['gdn']))})")
     ap.add_argument("--out", type=Path, default=None,
-                    help="CSV to write (default sweeps/results/error_growth_cpu.csv; --device cuda: "
-                         "error_growth_<gpu>.csv there, e.g. error_growth_h200.csv)")
+                    help="CSV to write (default sweeps/results/error_growth_cpu_<date>.csv, a new file per "
+                         "day, <date> today's, YYYY-MM-DD; --device cuda: error_growth_<gpu>_<date>.csv there, "
+                         "e.g. error_growth_h200_2026-12-01.csv)")
     ap.add_argument("--plot", type=Path, metavar="FILE.png", help="also write a log-log plot per layer (matplotlib)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="worker processes (default: CPU cores): cpu, one configuration each at a time; cuda, "
@@ -821,7 +809,10 @@ def parse(argv=None):
             raise SystemExit(1)
         args.gpu_name = torch.cuda.get_device_name()
     if args.out is None:
-        args.out = default_out(args.device, args.gpu_name)
+        args.out = default_out(PROG, device_tag(args.gpu_name))
+    check_out(ap, "--out", args.out)
+    if args.plot is not None:
+        check_out(ap, "--plot", args.plot)
     args.layer_list, args.config_list, args.jobs_list = layers, configs, jobs
     return args
 

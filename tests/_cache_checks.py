@@ -140,14 +140,14 @@ def check_reserved_slot_zero(c):
 
 def check_materialize_fresh_slots(cache, S, *args):
     """cache.materialize(ids, *args) of slots 2, 1 just loaded with S (float64, fp32-exact), on
-    a 3-slot cache with pad_slot_id == 0; slot 3 and the reserved slot 0 are rejected."""
+    a 3-slot cache with pad_slot_id == 0: slot 3 is rejected; the reserved slot 0, the pad
+    sentinel, is skipped as decode skips it (its row comes back zero)."""
     cache.load_prefill([2, 1], S)
     assert torch.equal(cache.materialize(torch.tensor([1, 2]), *args), S.flip(0).float().to(F64))
     assert torch.equal(cache.materialize([2, 2], *args), S[[0, 0]])
     with pytest.raises(ValueError, match="slot_ids"):
         cache.materialize([3], *args)
-    with pytest.raises(ValueError, match="reserved"):
-        cache.materialize([0], *args)
+    assert torch.equal(cache.materialize([0, 1], *args), torch.cat([torch.zeros_like(S[:1]), S[1:]]))
 
 
 # ----------------------------------------------------------------------------- cache decode

@@ -269,7 +269,7 @@ def test_help():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--models", "--layers", "--batch", "--drafts", "--window", "--quick", "--out",
                  "--compile-only", "nemotron-super,qwen3.5-122b", "1,64,256,512", "2,4,6,8",
-                 "verify_h200.csv"):
+                 "verify_<device>_<date>.csv"):
         assert flag in proc.stdout, flag
 
 

@@ -224,6 +224,61 @@ def test_corrupt_file_is_rebuilt_with_one_warning(monkeypatch):
     assert _cache_files("*.o") == [path.name]
 
 
+def _fresh_entry_bytes(tmp_path, monkeypatch):
+    """The bytes of the tiny kernel's disk entry as an empty cache folder gets them."""
+    tk = _tiny()
+    with monkeypatch.context() as m:
+        m.setenv(cc.ENV_CACHE_DIR, str(tmp_path / "fresh"))
+        cc.clear_memory_cache()
+        tk.add_one_fn()
+        data = cc.cache_path(tk.NAME, tk.KEY).read_bytes()
+    cc.clear_memory_cache()
+    return data
+
+
+def test_entry_with_a_flipped_byte_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A flipped byte (one inside the embedded cubin still loads as an object file): the content
+    hash stored with the entry catches it, and the entry is replaced by a fresh build, with one
+    warning (also in compile-only mode: no missing driver explains a changed file)."""
+    tk = _tiny()
+    fresh = _fresh_entry_bytes(tmp_path, monkeypatch)
+    tk.add_one_fn()
+    path = cc.cache_path(tk.NAME, tk.KEY)
+    assert path.read_bytes() == fresh
+    bad = bytearray(fresh)
+    bad[len(bad) // 2] ^= 0x01
+    path.write_bytes(bytes(bad))
+    cc.clear_memory_cache()
+    built = []
+    with pytest.warns(RuntimeWarning, match="could not load .*content hash"):
+        fn = cc.get_compiled(tk.NAME, tk.KEY, lambda: built.append(1) or tk.build())
+    assert built == [1] and fn is not None
+    assert path.read_bytes() == fresh  # atomically replaced by what a fresh build writes
+    assert _cache_files("*.o") == [path.name] and _cache_files(".*.tmp") == []
+    cc.clear_memory_cache()
+    assert cc.get_compiled(tk.NAME, tk.KEY, lambda: pytest.fail("built a good entry")) is not None
+    # warned once per process
+    path.write_bytes(bytes(bad))
+    cc.clear_memory_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tk.add_one_fn()
+    assert path.read_bytes() == fresh
+
+
+def test_entry_without_a_content_hash_is_rebuilt(tmp_path, monkeypatch):
+    """A bare object file, as written before entries carried their hash, is not trusted."""
+    tk = _tiny()
+    fresh = _fresh_entry_bytes(tmp_path, monkeypatch)
+    path = cc.cache_path(tk.NAME, tk.KEY)
+    path.parent.mkdir(parents=True)
+    tk.build().export_to_c(str(path), function_name=cc._symbol(tk.NAME, path.stem.split("-")[-1]))
+    built = []
+    with pytest.warns(RuntimeWarning, match="could not load .*no content hash"):
+        cc.get_compiled(tk.NAME, tk.KEY, lambda: built.append(1) or tk.build())
+    assert built == [1] and path.read_bytes() == fresh
+
+
 def test_failed_export_leaves_no_file_and_warns_once():
     class NoExport:
         def export_to_c(self, path, function_name=None):

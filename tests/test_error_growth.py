@@ -301,13 +301,11 @@ def test_checkpoint_value_is_read_state():
         assert torch.equal(eg.checkpoint_value(cache), cache.read_state([0, 1, 2])), c
 
 
-def test_gpu_tag_and_default_out():
+def test_default_out():
+    """A new file per device and day: the CPU reference's, or the GPU's by its short name."""
     eg = _eg()
-    assert eg.gpu_tag("NVIDIA H200") == "h200" and eg.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
-    assert eg.gpu_tag("NVIDIA A100-SXM4-80GB") == "a100" and eg.gpu_tag("NVIDIA B200") == "b200"
-    assert eg.gpu_tag("Some GPU") == "cuda" and eg.gpu_tag("") == "cuda"
-    assert eg.default_out("cpu") == eg.RESULTS / "error_growth_cpu.csv"
-    assert eg.default_out("cuda", "NVIDIA H200") == eg.RESULTS / "error_growth_h200.csv"
+    assert eg.parse(["--tokens", "8"]).out == eg.default_out("error_growth", "cpu")
+    assert eg.default_out("error_growth", "cpu").name.startswith("error_growth_cpu_20")
 
 
 def _fake_gpu(monkeypatch, eg):
@@ -321,7 +319,7 @@ def test_cuda_defaults(monkeypatch):
     args = eg.parse(["--device", "cuda"])
     assert (args.tokens, args.batch, args.graph_steps, args.no_graph) == (65536, 64, 64, False)
     assert (args.mamba2_shape, args.gdn_shape) == ("4,16,64,1", "4,32,64,1")
-    assert args.out == eg.RESULTS / "error_growth_h200.csv" and args.gpu_name == "NVIDIA H200"
+    assert args.out == eg.default_out("error_growth", "h200") and args.gpu_name == "NVIDIA H200"
     assert len(args.jobs_list) == 44 and {j.device for j in args.jobs_list} == {"cuda"}
     assert {j.tokens for j in args.jobs_list} == {65536} and {j.batch for j in args.jobs_list} == {64}
     args = eg.parse(["--device", "cuda", "--tokens", "100", "--batch", "3", "--out", "x.csv", "--no-graph",
@@ -330,7 +328,7 @@ def test_cuda_defaults(monkeypatch):
     assert {j.shape for j in args.jobs_list} == {(2, 16, 64, 1)} and len(args.jobs_list) == 27
     args = eg.parse([])  # the CPU defaults are unchanged
     assert (args.tokens, args.batch, args.mamba2_shape, args.gdn_shape, args.out) == (
-        4096, 2, "4,16,32,1", "4,32,32,1", eg.DEFAULT_OUT)
+        4096, 2, "4,16,32,1", "4,32,32,1", eg.default_out("error_growth", "cpu"))
     assert {j.device for j in args.jobs_list} == {"cpu"}
 
 

@@ -37,7 +37,7 @@ CASES = ([(m, a) for a in ARCHS for m in MODELS]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "  mamba2_replay_L16_bf16_rows64_warps4             2.7 s  -> DIR/mamba2_...ptx"
-_LABEL = re.compile(r"^\s+((?:mamba2|gdn)_\S+)\s+([0-9.]+) s(?:\s+-> (\S+))?\s*$")
+_LABEL = re.compile(r"^\s+\[\s*\d+/\d+\] ((?:mamba2|gdn)_\S+)\s+([0-9.]+) s  ETA \S+(?:\s+-> (\S+))?\s*$")
 _HEADER = re.compile(r"^precompile (\S+) for (\S+): (\d+) kernels$")
 _SPILL = re.compile(r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads")
 
@@ -79,7 +79,8 @@ def _precompile(model, arch, cache_dir, ptx_dir=None):
         cmd = [sys.executable, "-c", _WITH_SPEC.format(fields)]
     else:
         cmd = [sys.executable, "-m", "replayssm_cute.precompile"]
-    cmd += ["--model", model, "--arch", arch]
+    # one worker: ptxas reports stay next to the label line of their kernel
+    cmd += ["--model", model, "--arch", arch, "--workers", "1"]
     if ptx_dir is not None:
         cmd += ["--dump-ptx", str(ptx_dir)]
     t0 = time.perf_counter()
@@ -141,10 +142,11 @@ def build(request, builds):
     return builds(*request.param)
 
 
-def _expected_labels(model):
-    from replayssm_cute.precompile import variants
+def _expected_labels(model, arch):
+    from replayssm_cute import precompile
 
-    return [label for label, _, _ in variants(_spec(model), WINDOW, ["bf16"])]
+    platforms = precompile.target_platforms(None, arch)
+    return [label for label, _, _ in precompile.variants(_spec(model), WINDOW, ["bf16"], platforms=platforms)]
 
 
 def test_precompile_succeeds(build):
@@ -157,7 +159,7 @@ def test_precompile_succeeds(build):
 def test_every_variant_is_built_with_one_ptx_file(build):
     assert build.proc.returncode == 0, build.tail()
     labels = [k[0] for k in build.kernels]
-    assert labels == _expected_labels(build.model)
+    assert labels == _expected_labels(build.model, build.arch)
     assert any("conventional" in lb for lb in labels) and any("replay" in lb for lb in labels)
     paths = [Path(k[2]) for k in build.kernels]
     assert all(k[2] for k in build.kernels), build.tail()

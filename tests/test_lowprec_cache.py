@@ -1,6 +1,6 @@
-"""Low-precision caches (issue 6 item 2): two-checkpoint options, prefill load, SR bits, memory
-per slot and the float64 reference decode on them (CPU only). Formats: ``replayssm_cute.quant``;
-layouts and the SR bits: ``replayssm_cute.cache``'s module docstring."""
+"""Low-precision caches (docs/design.md section 5): two-checkpoint options, prefill load, SR
+bits, memory per slot and the float64 reference decode on them (CPU only). Formats:
+``replayssm_cute.quant``; layouts and the SR bits: ``replayssm_cute.cache``'s module docstring."""
 
 import math
 

@@ -7,21 +7,27 @@ model and arch are in test_kernels_compile.py).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from replayssm_cute import precompile
+from replayssm_cute import precompile, tuning
 from replayssm_cute.models import MODELS, ModelSpec, get_model
 
 ROOT = Path(__file__).resolve().parents[1]
+H200 = "NVIDIA H200"
 
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("REPLAYSSM_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    # the shipped tuned configs only: no user file, tuning on
+    monkeypatch.delenv(tuning.ENV_USER_FILE, raising=False)
+    monkeypatch.delenv(tuning.ENV_DISABLE, raising=False)
+    tuning.reload()
     # main() sets CUTE_DSL_ARCH from --arch; keep that from leaking into other tests.
     if "CUTE_DSL_ARCH" in os.environ:
         monkeypatch.setenv("CUTE_DSL_ARCH", os.environ["CUTE_DSL_ARCH"])
@@ -118,34 +124,47 @@ def test_cli_exit_status_and_stderr():
 
 
 def test_gdn_model_precompiles(tmp_path):
-    """A GDN model builds its kernels (conventional and ReplaySSM, small- and large-batch
-    configs, and with --drafts the decode, verify and commit kernels of a draft cache) into the
-    disk cache with the options it was given, and leaves no PTX behind; decode, verify and commit
-    then find every kernel they ask for on disk."""
-    _check_precompile_with_drafts(tmp_path, "qwen3-next-80b", "sm_100a", 8, "2", "fp16", dump=True)
+    """A GDN model builds its kernels (conventional and ReplaySSM, every launch config decode
+    picks, and with --drafts the decode, verify and commit kernels of a draft cache) in worker
+    processes into the disk cache with the options it was given, and leaves no PTX behind;
+    decode, verify and commit then find every kernel they ask for on disk. No GPU and no
+    --device-name: the defaults and the shipped tuned configs of sm_100a (none: they are sm_90a's)."""
+    _check_precompile_with_drafts(tmp_path, "qwen3-next-80b", "sm_100a", 8, "2", "fp16", dump=True, workers=2)
 
 
-def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, dump):
+_KERNEL_LINE = re.compile(r"^  \[ *(\d+)/(\d+)\] (\S+) +[0-9.]+ s  ETA \S+(?:  -> (\S+))?$")
+
+
+def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, dump, workers, device=None):
     env = _env()
     env["REPLAYSSM_CUTE_CACHE_DIR"] = str(tmp_path / "cache")
-    env.pop("REPLAYSSM_CUTE_DISK_CACHE", None)
-    env.pop("CUTE_DSL_ARCH", None)
+    for var in ("REPLAYSSM_CUTE_DISK_CACHE", "CUTE_DSL_ARCH", tuning.ENV_USER_FILE, tuning.ENV_DISABLE):
+        env.pop(var, None)
     cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", name, "--arch", arch,
-           "--window", str(window), "--dtypes", dtype, "--drafts", drafts]
+           "--window", str(window), "--dtypes", dtype, "--drafts", drafts, "--workers", str(workers)]
     if dump:
         cmd += ["--dump-ptx", str(tmp_path / "ptx")]
+    if device:
+        cmd += ["--device-name", device]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     m = get_model(name)
     T = [int(t) for t in drafts.split(",")]
-    decode = [lb for lb, _, _ in precompile.variants(m, window, [dtype])]
-    spec = precompile.draft_variants(m, window, T, [dtype])
+    platforms = precompile.target_platforms(device, arch)
+    decode = [lb for lb, _, _ in precompile.variants(m, window, [dtype], platforms=platforms)]
+    spec = precompile.draft_variants(m, window, T, [dtype], platforms=platforms)
     labels = decode + [v.label for v in spec]
     assert f"precompile {name} for {arch}: {len(labels)} kernels" in proc.stdout, log
-    printed = [ln.split()[0] for ln in proc.stdout.splitlines()[1:] if ln.strip()]
-    assert printed == labels, log
+    lines = [_KERNEL_LINE.match(ln) for ln in proc.stdout.splitlines()]
+    lines = [ln for ln in lines if ln]
+    assert [int(ln.group(1)) for ln in lines] == list(range(1, len(labels) + 1)), log  # the count so far
+    assert {ln.group(2) for ln in lines} == {str(len(labels))}, log
+    printed = [ln.group(3) for ln in lines]
+    assert printed == labels if workers == 1 else sorted(printed) == sorted(labels), log
     if dump:
+        ptx = sorted(str(tmp_path / "ptx" / f"{lb}.{arch}.ptx") for lb in labels)
+        assert sorted(ln.group(4) for ln in lines) == ptx
         assert sorted(p.name for p in (tmp_path / "ptx").iterdir()) == sorted(f"{lb}.{arch}.ptx" for lb in labels)
     kinds = [v.kind for v in spec]
     assert kinds.count("commit") == len(set(T)) and kinds.count("verify") >= len(set(T))
@@ -155,23 +174,28 @@ def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, d
     assert len(list(cache.glob("commit-*.o"))) == kinds.count("commit")
     # --keep-ptx's own copy goes to a scratch folder, not the working directory.
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "ptx"] if dump else ["cache"])
-    # A server with a draft cache of this shape starts warm: the lookups decode, verify and
-    # commit make (engines' usual arguments, small and large batch) all load from disk.
-    warm = subprocess.run([sys.executable, "-c", _WARM, arch, name, str(window), drafts, _DTYPE_NAMES[dtype]],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # A server with these caches starts warm: the lookups decode, verify and commit make
+    # (engines' usual arguments, every batch bucket) on the device named (else on an H200 and
+    # without a GPU) all load from disk.
+    warm = subprocess.run([sys.executable, "-c", _WARM, arch, name, str(window), drafts, _DTYPE_NAMES[dtype],
+                           device or ""], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert warm.returncode == 0, (warm.stdout + warm.stderr)[-6000:]
-    assert warm.stdout.split() == ["warm", str(2 + 2 * len(set(T)) + len(set(T)))], warm.stdout
+    per_platform = len(tuning.BATCH_BUCKETS) * (3 + len(set(T)))
+    assert warm.stdout.split() == ["warm", str((1 if device else 2) * per_platform + len(set(T)))], warm.stdout
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-# The kernel lookups of decode / verify / commit on a draft cache, with every compile refused.
+# The kernel lookups of decode / verify / commit on a conventional cache, a ReplaySSM cache and
+# its draft cache, at every batch bucket, on the device named (else on an H200 and without a
+# GPU), with every compile refused.
 _WARM = """
 import os, sys
-os.environ["CUTE_DSL_ARCH"] = sys.argv[1]
+os.environ["CUTE_DSL_ARCH"] = arch = sys.argv[1]
 import torch
 import replayssm_cute as rs
-from replayssm_cute import kernels_host as kh
+from replayssm_cute import __version__, kernels_host as kh, tuning
+from replayssm_cute.compile_cache import _cutlass_version
 from replayssm_cute.kernels import commit as kc
 from replayssm_cute.kernels.gdn import decode as gd, verify as gv
 from replayssm_cute.kernels.mamba2 import decode as md, verify as mv
@@ -185,23 +209,29 @@ for mod, fn in ((kc, "compile_commit"), (gd, "compile_decode"), (gv, "compile_ve
     setattr(mod, fn, refuse)
 m, window = get_model(sys.argv[2]), int(sys.argv[3])
 drafts, dtype = sorted({int(t) for t in sys.argv[4].split(",")}), getattr(torch, sys.argv[5])
+devices = [sys.argv[6]] if sys.argv[6] else [None, "NVIDIA H200"]
 f32, n = torch.float32, 0
+dims, kinds = (m.nheads, m.headdim, m.dstate, m.ngroups), ((1, 0), (window, 0), (window, max(drafts)))
 if m.layer == "gdn":
-    cache = rs.GDNCache(2, m.nheads, m.headdim, m.dstate, m.ngroups, window=window, max_draft=max(drafts), dtype=dtype)
-    decode = lambda batch: kh.gdn_decode_kernel(cache, dtype, f32, f32, None, batch)
-    verify = lambda T, batch: kh.gdn_verify_kernel(cache, T, dtype, f32, f32, None, batch)
+    caches = [rs.GDNCache(2, *dims, window=w, max_draft=d, dtype=dtype) for w, d in kinds]
+    decode = lambda cache, batch: kh.gdn_decode_kernel(cache, dtype, f32, f32, None, batch)
+    verify = lambda cache, T, batch: kh.gdn_verify_kernel(cache, T, dtype, f32, f32, None, batch)
 else:
-    cache = rs.Mamba2Cache(2, m.nheads, m.headdim, m.dstate, m.ngroups, window=window, max_draft=max(drafts), dtype=dtype)
-    decode = lambda batch: kh.mamba2_decode_kernel(cache, dtype, True, False, True, True, batch)
-    verify = lambda T, batch: kh.mamba2_verify_kernel(cache, T, dtype, True, False, True, True, batch)
-for batch in (1, 1024):
-    decode(batch)
-    n += 1
-    for T in drafts:
-        verify(T, batch)
-        n += 1
+    caches = [rs.Mamba2Cache(2, *dims, window=w, max_draft=d, dtype=dtype) for w, d in kinds]
+    decode = lambda cache, batch: kh.mamba2_decode_kernel(cache, dtype, True, False, True, True, batch)
+    verify = lambda cache, T, batch: kh.mamba2_verify_kernel(cache, T, dtype, True, False, True, True, batch)
+for device in devices:
+    platform = device and tuning.Platform(device, arch, __version__, _cutlass_version())
+    with tuning.use_platform(platform):
+        for batch in tuning.BATCH_BUCKETS:
+            for cache in caches:
+                decode(cache, batch)
+                n += 1
+            for T in drafts:
+                verify(caches[-1], T, batch)
+                n += 1
 for T in drafts:
-    kh.commit_kernel(cache, T)
+    kh.commit_kernel(caches[-1], T)
     n += 1
 print("warm", n)
 """
@@ -323,11 +353,14 @@ def test_parse_drafts_sorts_and_dedups():
 
 
 def test_mamba2_precompiles_with_drafts(tmp_path):
-    """Mamba-2 --drafts end to end (small window to keep it fast): decode kernels, then decode on
-    the draft cache, verify per (T, launch config) and commit per T; decode, verify and commit then
-    find every kernel they ask for on disk. (The GDN run above covers --dump-ptx through main(),
-    test_kernels_compile.py the Mamba-2 verify PTX.)"""
-    _check_precompile_with_drafts(tmp_path, "nemotron-super", "sm_90a", 4, "2,1", "bf16", dump=False)
+    """Mamba-2 --drafts end to end (small window to keep it fast) for an H200, one kernel after
+    another in order (--workers 1): decode kernels (the conventional step's with the shipped H200
+    tuned configs), then decode on the draft cache, verify per (T, launch config) and commit per
+    T; decode, verify and commit on an H200 then find every kernel they ask for on disk. (The GDN
+    run above covers --dump-ptx and the worker processes, test_kernels_compile.py the Mamba-2
+    verify PTX.)"""
+    _check_precompile_with_drafts(tmp_path, "nemotron-super", "sm_90a", 4, "2,1", "bf16", dump=False, workers=1,
+                                  device=H200)
 
 
 @pytest.mark.parametrize("name,window,drafts", [
@@ -376,8 +409,8 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
     got = precompile.draft_variants(m, 16, [4, 2], ["bf16"])
     shape = gdn_shape(m.nheads, m.headdim, m.dstate, m.ngroups, 16, 20, torch.bfloat16, torch.bfloat16,
                       torch.float32, torch.float32, None, False, -1)
-    dec = sorted({default_gdn_config(m.headdim, b, 16, shape) for b in (1, 4096)}, key=lambda c: c.key())
-    ver = sorted({default_gdn_verify_config(m.headdim, b) for b in (1, 4096)}, key=lambda c: c.key())
+    dec = sorted({default_gdn_config(m.headdim, b, 16, shape) for b in tuning.BATCH_BUCKETS}, key=lambda c: c.key())
+    ver = sorted({default_gdn_verify_config(m.headdim, b) for b in tuning.BATCH_BUCKETS}, key=lambda c: c.key())
     want = [(f"gdn_replay_L16_maxdraft4_bf16_{precompile.config_label(c)}", "decode", shape, c, 0) for c in dec]
     want += [(f"gdn_verify_L16_maxdraft4_T{T}_bf16_{precompile.config_label(c)}", "verify", shape, c, T)
              for T in (2, 4) for c in ver]
@@ -394,7 +427,7 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
 def test_read_copy_variants_are_what_decode_builds(name):
     """--read-copies: for each read copy and dtype, the shape decode builds for a cache with that
     read copy (fp32 checkpoint; GDN keeping v and beta, re-deriving) and the launch configs it
-    picks at small and large batch."""
+    picks at every batch bucket (no tuned read-copy configs: the defaults)."""
     import torch
 
     from replayssm_cute import kernels_host as kh
@@ -408,11 +441,11 @@ def test_read_copy_variants_are_what_decode_builds(name):
         if m.layer == "gdn":
             cache = GDNCache(1, *dims, window=16, device="meta", read_copy=fmt)
             shape = kh._gdn_cache_shape(cache, torch.bfloat16, torch.float32, torch.float32, None)
-            configs = {kh.default_gdn_config(m.headdim, b, 16, shape, kh._whole_head(cache)) for b in (1, 1024)}
+            configs = {kh.default_gdn_config(m.headdim, b, 16, shape, kh._whole_head(cache)) for b in tuning.BATCH_BUCKETS}
         else:
             cache = Mamba2Cache(1, *dims, window=16, device="meta", read_copy=fmt)
             shape = kh._mamba2_cache_shape(cache, torch.bfloat16, True, False, True, True)
-            configs = {kh.default_mamba2_config(m.headdim, b, 16, kh._whole_head(cache), shape) for b in (1, 1024)}
+            configs = {kh.default_mamba2_config(m.headdim, b, 16, kh._whole_head(cache), shape) for b in tuning.BATCH_BUCKETS}
         mine = [(lb, s, c) for lb, s, c in got if f"_read_{fmt}_" in lb]
         assert {s for _, s, _ in mine} == {shape}
         assert {c for _, _, c in mine} == configs
@@ -436,13 +469,13 @@ def test_read_copy_draft_variants_are_what_verify_builds(name, fmt):
     if m.layer == "gdn":
         cache = GDNCache(1, *dims, window=16, max_draft=4, device="meta", read_copy=fmt)
         shape = kh._gdn_cache_shape(cache, torch.bfloat16, torch.float32, torch.float32, None)
-        dec = {kh.default_gdn_config(m.headdim, b, 16, shape, whole) for b in (1, 4096)}
-        ver = {kh.default_gdn_verify_config(m.headdim, b, whole) for b in (1, 4096)}
+        dec = {kh.default_gdn_config(m.headdim, b, 16, shape, whole) for b in tuning.BATCH_BUCKETS}
+        ver = {kh.default_gdn_verify_config(m.headdim, b, whole) for b in tuning.BATCH_BUCKETS}
     else:
         cache = Mamba2Cache(1, *dims, window=16, max_draft=4, device="meta", read_copy=fmt)
         shape = kh._mamba2_cache_shape(cache, torch.bfloat16, True, False, True, True)
-        dec = {kh.default_mamba2_config(m.headdim, b, 16, whole, shape) for b in (1, 4096)}
-        ver = {kh.default_mamba2_verify_config(m.headdim, b, whole) for b in (1, 4096)}
+        dec = {kh.default_mamba2_config(m.headdim, b, 16, whole, shape) for b in tuning.BATCH_BUCKETS}
+        ver = {kh.default_mamba2_verify_config(m.headdim, b, whole) for b in tuning.BATCH_BUCKETS}
     assert {v.kind for v in got} == {"decode", "verify"}
     assert all(f"_read_{fmt}_" in v.label for v in got) and len({v.label for v in got}) == len(got)
     assert {v.shape for v in got} == {shape}
@@ -455,3 +488,247 @@ def test_read_copy_draft_variants_are_what_verify_builds(name, fmt):
 def test_unknown_read_copy(capsys):
     assert "--read-copies: unknown read copy 'fp4'" in _cli_error(
         capsys, ["--model", "nemotron-super", "--read-copies", "fp8,fp4"])
+
+
+# ----------------------------------------------------------------------------- tuned configs
+
+SHIPPED = [e for path in sorted(tuning.SHIPPED_DIR.glob("*.json")) for e in tuning.read_entries(path)]
+
+
+def _entries_of(model):
+    """The shipped tuned entries at `model`'s layer dims."""
+    dims = (model.nheads, model.headdim, model.dstate, model.ngroups)
+    return [e for e in SHIPPED if e["kernel"].startswith(model.layer + "_")
+            and tuple(e["shape"][n] for n in tuning.LAYER_DIMS[model.layer]) == dims]
+
+
+TUNED_MODELS = sorted(n for n, m in MODELS.items() if _entries_of(m))
+
+
+def _h200(arch="sm_90a"):
+    from replayssm_cute import __version__
+    from replayssm_cute.compile_cache import _cutlass_version
+
+    return tuning.Platform(H200, arch, __version__, _cutlass_version())
+
+
+class _Lookups:
+    """What decode / verify / commit of `model` ask the compile cache for with the engines' usual
+    arguments, at every batch bucket: the conventional cache, the ReplaySSM cache of `window` and,
+    with `drafts`, the draft cache of max_draft = max(drafts) (decode, verify per T, commit per T)."""
+
+    def __init__(self, model, window, drafts, dtype):
+        import torch
+
+        import replayssm_cute as rs
+        from replayssm_cute import kernels_host as kh
+
+        self.kh, self.model, self.dtype, f32 = kh, model, getattr(torch, _DTYPE_NAMES[dtype]), torch.float32
+        dims = (model.nheads, model.headdim, model.dstate, model.ngroups)
+        cls = rs.GDNCache if model.layer == "gdn" else rs.Mamba2Cache
+        self.caches = {(w, d): cls(1, *dims, window=w, max_draft=d, dtype=self.dtype, device="meta")
+                       for w, d in [(1, 0), (window, 0)] + ([(window, max(drafts))] if drafts else [])}
+        self.inputs = (self.dtype, f32, f32, None) if model.layer == "gdn" else (self.dtype, True, False, True, True)
+
+    def decode(self, cache, batch):
+        fn = self.kh.gdn_decode_kernel if self.model.layer == "gdn" else self.kh.mamba2_decode_kernel
+        return fn(cache, *self.inputs, batch)
+
+    def verify(self, cache, T, batch):
+        fn = self.kh.gdn_verify_kernel if self.model.layer == "gdn" else self.kh.mamba2_verify_kernel
+        return fn(cache, T, *self.inputs, batch)
+
+    def all(self, drafts):
+        """Every lookup at every bucket, then the commits."""
+        for (w, d), cache in self.caches.items():
+            for batch in tuning.BATCH_BUCKETS:
+                self.decode(cache, batch)
+                for T in drafts if d else []:
+                    self.verify(cache, T, batch)
+        for T in drafts:
+            self.kh.commit_kernel(self.caches[max(self.caches)], T)
+
+    def tuned_key(self, entry):
+        """(name, key) the compile cache is asked for when `entry`'s tuned config is picked."""
+        kh = self.kh
+        verify = entry["kernel"].endswith("_verify")
+        cache = self.caches[max(self.caches)] if verify else self.caches[(entry["window"], 0)]
+        if self.model.layer == "gdn":
+            from replayssm_cute.kernels.gdn.decode import GDNConfig as Config
+
+            shape = kh._gdn_cache_shape(cache, *self.inputs)
+        else:
+            from replayssm_cute.kernels.mamba2.decode import Mamba2Config as Config
+
+            shape = kh._mamba2_cache_shape(cache, *self.inputs)
+        key = shape.key() + Config(**entry["config"]).key()
+        return entry["kernel"], key + ((entry["num_drafts"],) if verify else ())
+
+
+@pytest.mark.parametrize("how", ["--device-name", "visible GPU", "no GPU"])
+@pytest.mark.parametrize("name", TUNED_MODELS)
+def test_precompile_builds_the_tuned_configs_decode_picks(name, how, monkeypatch):
+    """Every shipped tuned entry of the model: after precompile for an H200 (named with
+    --device-name, or the visible GPU, faked with tuning.use_platform; or with neither: the
+    defaults and every shipped entry), decode, verify and commit on an H200 find every kernel they
+    pick at every batch bucket (the entry's tuned config at its bucket) without compiling; with
+    neither, so do they without a GPU (the defaults). Compiles recorded, not run (--workers 1)."""
+    from replayssm_cute import compile_cache
+
+    m = get_model(name)
+    entries = _entries_of(m)
+    window = max([e["window"] for e in entries if e["window"] > 1], default=16)  # ReplaySSM's
+    drafts = sorted({e["num_drafts"] for e in entries if e["num_drafts"]})
+    dtypes = sorted({e["dtype"] for e in entries})
+    assert {e.get("state", "fp32") for e in entries} == {"fp32"}  # shipped: plain caches
+    built = set()
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(compile_cache, "get_compiled", lambda n, key, build: built.add((n, key)))
+    argv = ["--model", name, "--arch", "sm_90a", "--window", str(window), "--dtypes", ",".join(dtypes),
+            "--workers", "1"] + (["--drafts", ",".join(map(str, drafts))] if drafts else [])
+    if how == "--device-name":
+        assert precompile.main(argv + ["--device-name", H200]) == 0
+    elif how == "visible GPU":
+        with tuning.use_platform(_h200()):
+            assert precompile.main(argv) == 0
+    else:
+        with tuning.use_platform(None):
+            assert precompile.main(argv) == 0
+
+    asked = []
+
+    def at_first_use(n, key, build):
+        assert (n, key) in built, f"{n} {key}: not precompiled, compiled at first use"
+        asked.append((n, key))
+
+    monkeypatch.setattr(compile_cache, "get_compiled", at_first_use)
+    for dtype in dtypes:
+        lookups = _Lookups(m, window, drafts, dtype)
+        for platform in [_h200()] + ([None] if how == "no GPU" else []):
+            with tuning.use_platform(platform):
+                lookups.all(drafts)
+        for e in entries:
+            if e["dtype"] == dtype:
+                assert lookups.tuned_key(e) in asked, e
+
+
+def test_target_platforms():
+    """The device named; else the visible GPU's (faked); else none (the defaults) and every device
+    with tuned configs; at the arch given, with this package's and CuTe DSL's versions."""
+    import dataclasses
+
+    b200 = dataclasses.replace(_h200("sm_100a"), device="NVIDIA B200")
+    assert precompile.target_platforms(H200, "sm_90a") == [_h200()]
+    assert precompile.target_platforms("NVIDIA B200", "sm_100a") == [b200]
+    with tuning.use_platform(tuning.Platform("NVIDIA B200", "sm_100a", "0.0.1", "0.0")):
+        assert precompile.target_platforms(None, "sm_100a") == [b200]
+        assert precompile.target_platforms(H200, "sm_90a") == [_h200()]
+    with tuning.use_platform(None):
+        assert precompile.target_platforms(None, "sm_90a") == [None, _h200()]
+
+
+def test_use_platform_is_what_decode_looks_up(monkeypatch):
+    """Inside tuning.use_platform decode picks the platform's tuned config (the shipped H200 one
+    of nemotron-super's conventional step at batch 1), outside it this process's (patched: none);
+    memoised picks do not leak across."""
+    import torch
+
+    import replayssm_cute as rs
+    from replayssm_cute import kernels_host as kh
+    from replayssm_cute.kernels.mamba2.decode import Mamba2Config
+
+    monkeypatch.setattr(tuning, "current_platform", lambda: None)
+    m = get_model("nemotron-super")
+    cache = rs.Mamba2Cache(1, m.nheads, m.headdim, m.dstate, m.ngroups, window=1, device="meta")
+    seen = []
+    monkeypatch.setattr(kh, "compile_mamba2", lambda shape, cfg: seen.append(cfg))
+    kh.forget_picked_configs()
+    for platform in (_h200(), None):
+        with tuning.use_platform(platform):
+            kh.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 1)
+        kh.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 1)
+    assert seen == [Mamba2Config(8, 2, 0), Mamba2Config(8, 2, 0), Mamba2Config(8, 2, 0), Mamba2Config(8, 2, 0)]
+
+
+# ----------------------------------------------------------------------------- usage errors
+
+
+def _run_cli(args, **env):
+    full = _env()
+    for var in ("CUTE_DSL_ARCH", "REPLAYSSM_CUTE_DISK_CACHE"):
+        full.pop(var, None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "replayssm_cute.precompile", *args], env=full, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _one_line_usage_error(proc, message):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and message in lines[-1] and lines[-1].startswith(
+        "python -m replayssm_cute.precompile: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_no_arch_and_no_gpu():
+    proc = _run_cli(["--model", "nemotron-super"], CUDA_VISIBLE_DEVICES="")
+    _one_line_usage_error(proc, "--arch: not given and none to default to (no CUDA GPU is visible")
+    assert "give sm_90a, sm_100a or sm_103a" in proc.stderr
+
+
+def test_bad_dump_ptx_path_fails_before_building(tmp_path):
+    """A --dump-ptx that is a file, or under one, fails at once: no kernel is built, no folder made."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cache = tmp_path / "cache"
+    for path, message in ((afile, f"--dump-ptx: {afile} is a file, expected a folder"),
+                          (afile / "ptx", f"--dump-ptx: cannot create {afile / 'ptx'}: {afile} is a file")):
+        proc = _run_cli(["--model", "qwen3.5-4b", "--arch", "sm_90a", "--dump-ptx", str(path)],
+                        REPLAYSSM_CUTE_CACHE_DIR=str(cache))
+        _one_line_usage_error(proc, message)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--device-name", " "], "--device-name: expected a GPU name such as \"NVIDIA H200\""),
+])
+def test_workers_and_device_name_errors(capsys, argv, message):
+    assert message in _cli_error(capsys, ["--model", "nemotron-super", "--arch", "sm_90a"] + argv)
+
+
+def test_path_error(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert precompile.path_error(tmp_path / "new" / "deeper" / "x.csv") is None  # folders to create
+    assert precompile.path_error(afile) is None and precompile.path_error(tmp_path, folder=True) is None
+    assert precompile.path_error(tmp_path / "new", folder=True) is None
+    assert precompile.path_error(tmp_path) == f"{tmp_path} is a folder, expected a file path"
+    assert precompile.path_error(afile, folder=True) == f"{afile} is a file, expected a folder"
+    assert precompile.path_error(afile / "x" / "y.csv") == (
+        f"cannot create {afile / 'x' / 'y.csv'}: {afile} is a file, not a folder")
+
+
+def test_a_kernel_that_does_not_compile_fails_the_run(monkeypatch, capsys):
+    """Every other kernel is still built; the failure is named on stderr, exit 1, no traceback."""
+    from replayssm_cute import compile_cache
+
+    built = []
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(compile_cache, "get_compiled", lambda n, key, build: built.append(n))
+    real = precompile.compile_draft_variant
+
+    def compile_or_fail(layer, variant):
+        if variant.label == "gdn_conventional_bf16_rows8_warps2":
+            raise RuntimeError("ptxas died\nmore detail")
+        return real(layer, variant)
+
+    monkeypatch.setattr(precompile, "compile_draft_variant", compile_or_fail)
+    with tuning.use_platform(None):
+        assert precompile.main(["--model", "qwen3.5-4b", "--arch", "sm_90a", "--device-name", "NVIDIA B200",
+                                "--workers", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "launch configs: the defaults (no tuned configs for 'NVIDIA B200'; tuned: 'NVIDIA H200')" in out
+    assert "gdn_conventional_bf16_rows8_warps2" in out and "FAILED" in out and "Traceback" not in err
+    assert err.splitlines()[-1] == ("python -m replayssm_cute.precompile: 1 of 3 kernels did not compile: "
+                                    "gdn_conventional_bf16_rows8_warps2")
+    assert len(built) == 2

@@ -168,18 +168,24 @@ def test_missing_file_reads_empty(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("{", "not JSON"),
-    ('{"entries": []}', "expected a tuned-config file"),
-    ('{"format": "replayssm_cute-tuned-v1", "entries": {}}', "expected a tuned-config file"),
+    (b"{", "not JSON"),
+    (b'{"format": "replayssm_cute-tuned-v1", "entries": [\xff]}', "not JSON"),  # not UTF-8
+    (b"[" * 100_000, "not JSON"),  # deeper than the JSON parser recurses
+    (b'{"entries": []}', "expected a tuned-config file"),
+    (b'{"format": "replayssm_cute-tuned-v1", "entries": {}}', "expected a tuned-config file"),
 ])
 def test_bad_files_are_named(tmp_path, text, message):
     path = tmp_path / "t.json"
-    path.write_text(text)
+    path.write_bytes(text)
     with pytest.raises(ValueError, match=message) as e:
         tuning.read_entries(path)
     assert str(path) in str(e.value)
     with pytest.raises(ValueError, match=message):  # nor is one merged into
         tuning.write_entries(path, [_entry()])
+
+
+def _config(rows, warps, ctas):
+    return {"config": {"rows_per_cta": rows, "num_warps": warps, "min_ctas_per_sm": ctas}}
 
 
 @pytest.mark.parametrize("change,message", [
@@ -190,13 +196,40 @@ def test_bad_files_are_named(tmp_path, text, message):
     (dict(shape={"nheads": 128}), "'shape': expected integer nheads, headdim, dstate, ngroups"),
     (dict(config={"rows_per_cta": 32.0}), "'config': expected an object of integer launch parameters"),
     (dict(device=None), "'device': expected a string"),
+    # launch fields no kernel takes: each decode at that bucket would fail
+    (_config(0, 0, 0), "'config': rows_per_cta 0: expected at least 1"),
+    (_config(64, 64, 0), r"'config': num_warps 64: expected 1\.\.32"),
+    (_config(32, 2, -3), "'config': min_ctas_per_sm -3: expected 0"),
+    (_config(64, 16, 8), "'config': min_ctas_per_sm 8: 8 CTAs of 16 warps are 4096 threads"),
+    (dict(config={"rows_per_cta": 32, "num_warps": 2}), "'config': expected integer rows_per_cta, num_warps, "
+                                                         "min_ctas_per_sm"),
 ])
-def test_bad_entries_name_the_field(tmp_path, change, message):
+def test_bad_entries_are_ignored_one_by_one_naming_file_index_and_field(tmp_path, change, message):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"format": tuning.FORMAT, "entries": [_entry(), {**_entry(), **change}]}))
-    with pytest.raises(ValueError, match=message) as e:
-        tuning.read_entries(path)
-    assert "entry 1" in str(e.value)
+    good = [_entry(64), _entry(256)]
+    path.write_text(json.dumps({"format": tuning.FORMAT, "entries": [good[0], {**_entry(), **change}, good[1]]}))
+    with pytest.warns(RuntimeWarning, match=f"ignoring entry 1 of {path}: entry field {message}"):
+        assert tuning.read_entries(path) == good
+
+
+def test_lookup_keeps_the_good_entries_of_a_file_with_bad_ones():
+    tuning.user_file().write_text(json.dumps({"format": tuning.FORMAT, "entries": [
+        "not an entry", {**_entry(64), **_config(64, 64, 0)}, _entry(256, (64, 4, 0))]}))
+    with pytest.warns(RuntimeWarning) as record:
+        assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 256)["rows_per_cta"] == 64
+    assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64)["num_warps"] == 4  # bucket 256's, not entry 1's
+    assert [str(w.message).split(":")[1] for w in record] == [f" ignoring entry {i} of {tuning.user_file()}"
+                                                                for i in (0, 1)]
+
+
+def test_merging_into_a_file_drops_its_bad_entries_with_a_warning(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": tuning.FORMAT, "entries": [_entry(1), {**_entry(64), **_config(0, 0, 0)}]}))
+    with pytest.warns(RuntimeWarning, match="ignoring entry 1"):
+        assert tuning.write_entries(path, [_entry(256)]) == [_entry(1), _entry(256)]
+    assert tuning.read_entries(path) == [_entry(1), _entry(256)]
+    with pytest.raises(ValueError, match="'config': rows_per_cta 0"):  # the caller's own entries must be good
+        tuning.write_entries(path, [{**_entry(64), **_config(0, 0, 0)}])
 
 
 def test_shipped_h200_file_is_valid_and_packaged():
@@ -278,8 +311,9 @@ def test_default_user_file_is_in_the_compile_cache_folder(monkeypatch, tmp_path)
     assert tuning.user_file() == tmp_path / "cache" / "tuned.json"
 
 
-def test_unreadable_user_file_is_ignored_with_a_warning():
-    tuning.user_file().write_text("{ not json")
+@pytest.mark.parametrize("text", [b"{ not json", b"[" * 100_000])
+def test_unreadable_user_file_is_ignored_with_a_warning(text):
+    tuning.user_file().write_bytes(text)
     with pytest.warns(RuntimeWarning, match="ignoring .*user.json"):
         assert tuning.tuned_fields("mamba2_decode", _shape(), 0, 64) is None
 
@@ -326,6 +360,39 @@ def test_tuned_config_the_shape_cannot_take_falls_back_to_the_default(compiled):
     for batch in (64, 256):
         kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, batch)
         assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, batch, 16)
+
+
+def test_tuned_entries_no_kernel_takes_leave_decode_on_the_default(compiled):
+    """A tuned file entry whose launch fields no kernel takes (which the config check once met
+    with ZeroDivisionError, or passed and compiled) is ignored: decode at its bucket takes the
+    default, with a warning naming the entry."""
+    cache = Mamba2Cache(2, SUPER.nheads, SUPER.headdim, SUPER.dstate, SUPER.ngroups, window=16, device="meta")
+    tuning.user_file().write_text(json.dumps({"format": tuning.FORMAT, "entries": [
+        {**_entry(64), **_config(0, 0, 0)}, {**_entry(256), **_config(64, 64, 0)},
+        {**_entry(1024), **_config(32, 2, -3)}]}))
+    with pytest.warns(RuntimeWarning, match="ignoring entry 0 of .*rows_per_cta 0"):
+        kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 50)
+    assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, 64, 16)
+    for batch, bucket in ((200, 256), (600, 1024)):
+        kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, batch)
+        assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, bucket, 16)
+
+
+def test_tuned_config_whose_check_raises_falls_back_with_a_warning(compiled, monkeypatch):
+    """Whatever a kernel check does with a tuned file's values, decode takes the default."""
+    cache = Mamba2Cache(2, SUPER.nheads, SUPER.headdim, SUPER.dstate, SUPER.ngroups, window=16, device="meta")
+    _write_user([_entry(64, (32, 2, 0))])
+    check = Mamba2Config.check
+
+    def raising_check(self, shape):
+        if self == Mamba2Config(32, 2, 0):
+            raise ZeroDivisionError("integer modulo by zero")
+        return check(self, shape)
+
+    monkeypatch.setattr(Mamba2Config, "check", raising_check)
+    with pytest.warns(RuntimeWarning, match=r"ignoring the tuned config .*32.*: ZeroDivisionError"):
+        kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 64)
+    assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, 64, 16)
 
 
 def test_gdn_decode_and_verify_take_tuned_configs(compiled):
@@ -514,9 +581,9 @@ def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
     standard, verify = sorted(tuning.read_entries(tuning.user_file()), key=lambda e: e["kernel"])
     assert (standard["mode"], standard["batch"], standard["num_drafts"]) == ("standard", 2, 0)
     assert standard["config"] == {"rows_per_cta": 16, "num_warps": 1, "min_ctas_per_sm": 0}
-    assert standard["default_config"] == {"rows_per_cta": 16, "num_warps": 4, "min_ctas_per_sm": 0}
-    assert standard["time_us"] == pytest.approx(10.84) and standard["default_time_us"] == pytest.approx(13.84)
-    assert standard["speedup"] == pytest.approx(13.84 / 10.84, rel=1e-3) and standard["rejected"] == 1
+    assert standard["default_config"] == {"rows_per_cta": 16, "num_warps": 4, "min_ctas_per_sm": 4}
+    assert standard["time_us"] == pytest.approx(10.84) and standard["default_time_us"] == pytest.approx(14.24)
+    assert standard["speedup"] == pytest.approx(14.24 / 10.84, rel=1e-3) and standard["rejected"] == 1
     assert standard["tbps"] > 0 and standard["model"] == "mamba2:2,16,32,1"
     assert (verify["kernel"], verify["mode"], verify["num_drafts"]) == ("mamba2_verify", "verify", 2)
     assert verify["config"]["rows_per_cta"] // verify["config"]["num_warps"] == 16
@@ -563,6 +630,6 @@ def test_out_file_that_cannot_take_the_winners_fails_before_tuning(monkeypatch, 
     bad.write_text('{"format": "something else"}')
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
     monkeypatch.setattr(tune, "compile_candidates", lambda *a: pytest.fail("compiled before checking --out"))
-    assert tune.main(["--shape", "mamba2:2,16,32,1", "--batch", "2", "--out", str(bad)]) == 1
+    assert tune.main(["--shape", "mamba2:2,16,32,1", "--batch", "2", "--out", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"--out: {bad}: expected a tuned-config file" in err and "Traceback" not in err

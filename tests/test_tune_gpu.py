@@ -3,7 +3,7 @@ its winner to the user's tuned-config file, and the next decode call at that buc
 it (the float64 reference agrees), while a batch far from every tuned bucket keeps the default.
 
 A small pool (--pool-mb 4) keeps this fast; it is no measurement (see sweeps/ and
-shared/docs/performance.md for the protocol the real tuning runs).
+docs/benchmarking.md for the protocol the real tuning runs).
 """
 
 import pytest

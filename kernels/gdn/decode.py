@@ -1,7 +1,7 @@
 """Gated DeltaNet decode step: ReplaySSM standard decoding, with the conventional step as window 1.
 
 One kernel class serves both, as for Mamba-2. With window L > 1 it runs Algorithm 4 of the paper
-(replayssm.md section 3): each row reads its cursor h on the device; S k and S q of the state
+(docs/design.md section 3): each row reads its cursor h on the device; S k and S q of the state
 before the token are taken from the checkpoint in one pass plus the ring's records
 (``alpha S_h x = gamma (S_ckpt x) + sum_j w_j (k_j . x) u_j`` with every decay after record j in
 w_j), never forming the state; then ``u = beta (v - alpha S_h k)``, ``o = alpha S_h q + u (k . q)``.
@@ -63,7 +63,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
-from ..config_space import config_space
+from ..config_space import config_space, launch_check
 from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
@@ -169,13 +169,16 @@ class GDNConfig:
         return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
     def check_tiles(self, shape: GDNShape) -> Optional[str]:
-        """The checks every GDN kernel shares: head dims, heads, tiling and ring capacity."""
+        """The checks every GDN kernel shares: launch fields, head dims, heads, tiling and ring capacity."""
+        reason = launch_check(self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
+        if reason is not None:
+            return reason
         V, K = shape.head_v_dim, shape.head_k_dim
         if K % 16 or not 16 <= K <= 256 or V % 16 or not 16 <= V <= 256:
             return f"head dims (V {V}, K {K}): the kernel needs multiples of 16 up to 256"
         if shape.num_v_heads % shape.num_k_heads:
             return f"num_v_heads {shape.num_v_heads} is not a multiple of num_k_heads {shape.num_k_heads}"
-        if self.num_warps < 1 or self.rows_per_cta % self.num_warps:
+        if self.rows_per_cta % self.num_warps:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
         if V % self.rows_per_cta:
             return f"rows_per_cta {self.rows_per_cta} does not divide head_v_dim {V}"

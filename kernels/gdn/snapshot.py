@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, snapshot_check,
+from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, smem_fit, snapshot_check,
                       start_tile_loads, warp_reduce_many)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
@@ -54,7 +54,8 @@ class GDNSnapshot(DraftStepKernel):
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
-        return snapshot_check(shape, config, num_drafts, GDNSnapshot.smem_bytes(shape, config, num_drafts))
+        return (snapshot_check(shape, config, num_drafts)
+                or smem_fit(GDNSnapshot.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm))
 
     @cute.jit
     def __call__(self, mCheckpoint: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,

@@ -1,6 +1,6 @@
 """Gated DeltaNet speculative verification: T drafts per row, output-only, one checkpoint read.
 
-Algorithm 5 of the paper (replayssm.md section 4, Eq. 10-11). With P_j the prefix sums of the log
+Algorithm 5 of the paper (docs/design.md section 4; Eq. 10-11). With P_j the prefix sums of the log
 decays g over the records in order (h committed, then the T drafts), gamma_s = exp(P_{h+s}) and
 W_{j,s} = exp(P_{h+s} - P_j), each row's draft corrections solve one unit-lower-triangular system
 by forward substitution, per state row i:
@@ -56,7 +56,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
-                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, verify_check)
+                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, smem_fit, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
@@ -104,14 +104,15 @@ class GDNVerify(DraftStepKernel):
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
-        reason = shape.copies.check(shape.k_vec, config.rows_per_cta, shape.head_v_dim)
+        reason = (verify_check(shape, config, num_drafts)
+                  or shape.copies.check(shape.k_vec, config.rows_per_cta, shape.head_v_dim))
         if reason is not None:
             return reason
         if shape.rederive and not (shape.keep_v_beta and shape.window > 1):
             return "re-deriving corrections at a flush needs the records' v and beta (keep_v_beta, window > 1)"
         if shape.rederive and shape.head_k_dim != 32 * shape.k_vec:
             return f"re-deriving corrections needs head_k_dim a multiple of 32 (every lane a slice), not {shape.head_k_dim}"
-        return verify_check(shape, config, num_drafts, GDNVerify.smem_bytes(shape, config, num_drafts))
+        return smem_fit(GDNVerify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm)
 
     @cute.jit
     def __call__(

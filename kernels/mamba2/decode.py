@@ -59,7 +59,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum
-from ..config_space import config_space
+from ..config_space import config_space, launch_check
 from ..state_io import (StateCopies, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
@@ -144,7 +144,10 @@ class Mamba2Config:
         return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
 
     def check_tiles(self, shape: Mamba2Shape) -> Optional[str]:
-        """The checks every Mamba-2 kernel shares: dims, tiling and ring capacity."""
+        """The checks every Mamba-2 kernel shares: launch fields, dims, tiling and ring capacity."""
+        reason = launch_check(self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
+        if reason is not None:
+            return reason
         P, N = shape.headdim, shape.dstate
         if N % 32 or N > 256:
             return f"dstate {N}: the kernel needs a multiple of 32 up to 256"

@@ -31,8 +31,8 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, snapshot_check, softplus,
-                      start_tile_loads, warp_reduce_many)
+from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, smem_fit, snapshot_check,
+                      softplus, start_tile_loads, warp_reduce_many)
 from .decode import Mamba2Config, Mamba2Shape
 
 
@@ -45,7 +45,8 @@ class Mamba2Snapshot(DraftStepKernel):
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
-        return snapshot_check(shape, config, num_drafts, Mamba2Snapshot.smem_bytes(shape, config, num_drafts))
+        return (snapshot_check(shape, config, num_drafts)
+                or smem_fit(Mamba2Snapshot.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm))
 
     @cute.jit
     def __call__(self, mCheckpoint: cute.Tensor, mX: cute.Tensor, mDt: cute.Tensor, mA: cute.Tensor,

@@ -1,6 +1,6 @@
 """Mamba-2 speculative verification: T draft tokens per row, output-only, one checkpoint read.
 
-Algorithm 2 of the paper (replayssm.md section 4). Each row reads its cursor h on the device;
+Algorithm 2 of the paper (docs/design.md section 4). Each row reads its cursor h on the device;
 the T outputs come from the checkpoint tile and the h committed records plus the drafts before
 each token (Eq. 6), never forming a state:
 
@@ -58,7 +58,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
-                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, softplus, verify_check)
+                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, smem_fit, softplus,
+                      verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .decode import Mamba2Config, Mamba2Shape
@@ -81,10 +82,9 @@ class Mamba2Verify(DraftStepKernel):
 
     @staticmethod
     def check(shape, config, num_drafts: int) -> Optional[str]:
-        reason = shape.copies.check(shape.dstate // 32, config.rows_per_cta, shape.headdim)
-        if reason is not None:
-            return reason
-        return verify_check(shape, config, num_drafts, Mamba2Verify.smem_bytes(shape, config, num_drafts))
+        return (verify_check(shape, config, num_drafts)
+                or shape.copies.check(shape.dstate // 32, config.rows_per_cta, shape.headdim)
+                or smem_fit(Mamba2Verify.smem_bytes(shape, config, num_drafts), config.min_ctas_per_sm))
 
     @cute.jit
     def __call__(

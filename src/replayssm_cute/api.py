@@ -6,7 +6,8 @@
 ``(s, 0, 0)``, ``B, C (b, G, N)``, ``D`` / ``dt_bias`` ``(H,)`` or ``(H, P)`` with stride 0 on P,
 optional ``z (b, H, P)``, ``dt_softplus``, optional ``out``. Each row names its pool slot in
 ``slot_ids (b,)`` int32; rows whose slot is the cache's pad sentinel, or outside the pool, touch
-nothing (their ``out`` rows are left as they were).
+nothing: their rows of a caller's ``out`` are left as they were, and are zero in an ``out`` the
+call allocates (``torch.zeros``: one memset, captured with the step in a CUDA graph).
 
 Gated DeltaNet arguments follow vLLM's / FlashInfer's GDN decode: raw ``q, k (b, H, K)``,
 ``v (b, HV, V)`` (or the packed post-convolution ``mixed_qkv (b, 2 H K + HV V)`` = ``[q | k | v]``
@@ -14,9 +15,21 @@ with any row stride), raw gates ``a, b (b, HV)``, ``A_log, dt_bias (HV,)``, opti
 (default ``K ** -0.5``); the kernel L2-normalises q and k and forms the gates itself.
 
 Everything is checked before anything is written; nothing is cast behind the caller's back.
-Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates) and the
-``cu_seqlens`` of verify's packed form, which synchronises, so it is off by default and is skipped
-under CUDA-graph capture.
+``config`` is None or the layer's launch config (``Mamba2Config`` / ``GDNConfig``), on the CPU
+path too, where the reference has no launch config and does not use it. The steps are
+inference-only: while autograd records (``torch.is_grad_enabled()``), an input that requires
+grad is refused, since the CPU path would pull the cache into the autograd graph; call them
+under ``torch.no_grad()`` / ``torch.inference_mode()`` (then parameters that require grad are
+fine) or pass detached tensors.
+
+Speculative protocol: verify, then commit, then anything else. Between a ``verify`` and its
+``commit`` every other op on that cache is refused (``Mamba2Cache`` / ``GDNCache``), and the
+commit must name the verify's slot ids row for row: the CPU path checks the ids, the GPU path
+the batch size only (no device->host read), ``REPLAYSSM_CUTE_DEBUG=1`` the ids too.
+
+Set ``REPLAYSSM_CUTE_DEBUG=1`` to also check slot ids on the host (range and duplicates, and
+commit's against its verify's) and the ``cu_seqlens`` of verify's packed form, which
+synchronises, so it is off by default and is skipped under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from .cache import GDNCache, Mamba2Cache
+from .cache import GDNCache, Mamba2Cache, PendingVerify
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,12 +48,21 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"decode: argument '{name}': expected {expected}, got {got}")
 
 
+def _no_autograd(name: str, t: torch.Tensor) -> None:
+    """The steps are inference-only: refuse a tensor that requires grad while autograd records
+    (the CPU path would pull the cache into the graph)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        _fail(name, f"a tensor outside autograd (the kernels are inference-only: call under torch.no_grad() or "
+              f"torch.inference_mode(), or pass {name}.detach())", "requires_grad=True with grad mode on")
+
+
 def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, device) -> Optional[torch.Tensor]:
     """Accept (H,) or a stride-0 expansion (H, *trailing); return the (H,) fp32 view."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
+    _no_autograd(name, t)
     if t.dtype != torch.float32:
         _fail(name, "dtype torch.float32", t.dtype)
     if t.device != device:
@@ -60,6 +82,7 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
 def _activation(name: str, t: torch.Tensor, shape: tuple, dtype, device, aligned: bool = True) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
+    _no_autograd(name, t)
     if tuple(t.shape) != shape:
         _fail(name, f"shape {shape}", tuple(t.shape))
     if t.dtype != dtype:
@@ -96,6 +119,40 @@ def debug_enabled() -> bool:
     return os.environ.get("REPLAYSSM_CUTE_DEBUG", "0") not in ("", "0")
 
 
+def _debug_host_checks(device) -> bool:
+    """Debug mode's host-side checks run now: debug on and no CUDA graph being captured (they
+    read device tensors back, which synchronises)."""
+    return debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _check_config(cache, config) -> None:
+    """``config`` is None or the launch config class of the cache's layer, on every path (the CPU
+    reference has no launch config and ignores a valid one). Imports the kernels' module, and
+    with it cutlass, only when a config is given."""
+    if config is None:
+        return
+    if isinstance(cache, Mamba2Cache):
+        from .kernels.mamba2.decode import Mamba2Config as launch_config
+    else:
+        from .kernels.gdn.decode import GDNConfig as launch_config
+    if not isinstance(config, launch_config):
+        _fail("config", f"None or a {launch_config.__name__} (the launch config of the {type(cache).__name__}'s "
+              f"GPU kernels)", f"{type(config).__name__} {config!r}")
+
+
+def _dispatch(op: str, cache, mamba2_fn, gdn_fn, args, kwargs):
+    """``op`` on ``cache``: its Mamba-2 or GDN implementation, once no verify awaits its commit
+    there (the protocol: verify, then commit, then anything else)."""
+    if isinstance(cache, Mamba2Cache):
+        fn = mamba2_fn
+    elif isinstance(cache, GDNCache):
+        fn = gdn_fn
+    else:
+        raise TypeError(f"{op}: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
+    cache._refuse_while_verify_pending(op)
+    return _named(op, fn, cache, *args, **kwargs)
+
+
 def decode(cache, *args, **kwargs):
     """One decode step for a batch of rows; returns ``out``.
 
@@ -111,15 +168,16 @@ def decode(cache, *args, **kwargs):
 
     (pass ``q = k = v = None`` and ``mixed_qkv`` for the packed layout). Window 1 is conventional
     decoding (state load, update, store), window L > 1 is ReplaySSM standard decoding. ``config``
-    overrides the launch configuration (a ``Mamba2Config`` / ``GDNConfig``); by default the
-    tuned one for the batch size's bucket (``replayssm_cute.tuning``; verify alike), else the
-    analytical choice for it.
+    overrides the launch configuration (a ``Mamba2Config`` / ``GDNConfig``, anything else is
+    refused; unused on the CPU path); by default the tuned one for the batch size's bucket
+    (``replayssm_cute.tuning``; verify alike), else the analytical choice for it.
+
+    Skipped rows (pad sentinel, out of pool) keep their rows of a caller's ``out`` and are zero
+    in an ``out`` allocated here. Inference-only: with grad mode on, an input that requires grad
+    is refused (call under ``torch.no_grad()`` / ``torch.inference_mode()``). Refused between a
+    :func:`verify` and its :func:`commit`.
     """
-    if isinstance(cache, Mamba2Cache):
-        return _decode_mamba2(cache, *args, **kwargs)
-    if isinstance(cache, GDNCache):
-        return _decode_gdn(cache, *args, **kwargs)
-    raise TypeError(f"decode: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
+    return _dispatch("decode", cache, _decode_mamba2, _decode_gdn, args, kwargs)
 
 
 def _slot_ids(slot_ids, b: int, device) -> torch.Tensor:
@@ -176,13 +234,13 @@ def _mamba2_inputs(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, 
     if z is not None:
         z = _activation("z", z, lead + (H, P), act, device)
     slot_ids = _slot_ids(slot_ids, lead[0], device)
-    if out is None:
-        out = torch.empty(lead + (H, P), dtype=act, device=device)
+    if out is None:  # zeros: the rows a step skips must not come back as stale memory
+        out = torch.zeros(lead + (H, P), dtype=act, device=device)
     else:
         out = _activation("out", out, lead + (H, P), act, device)
     if not isinstance(dt_softplus, bool):
         _fail("dt_softplus", "a bool", type(dt_softplus).__name__)
-    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if _debug_host_checks(device):
         _check_slots(cache, slot_ids)
     return x, dt, A, B, C, slot_ids, D, z, dt_bias, out
 
@@ -191,6 +249,7 @@ def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
                    out=None, *, config=None):
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=False)
+    _check_config(cache, config)
     b = x.shape[0]
     device = cache.checkpoint.device
     if b == 0:
@@ -244,7 +303,7 @@ def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts) -> tuple:
     if not 1 <= num_drafts <= min(cache.max_draft, cache.window):
         _fail("num_drafts", f"1 <= num_drafts <= min(max_draft {cache.max_draft}, window {cache.window})",
               num_drafts)
-    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if _debug_host_checks(device):
         bounds = cu_seqlens.tolist()
         wrong = [(i, n) for i, n in enumerate(e - s for s, e in zip(bounds, bounds[1:])) if n != num_drafts]
         if bounds[0] != 0 or wrong:
@@ -291,8 +350,13 @@ def verify(cache, *args, **kwargs):
     with every token tensor laid out (b, T, ...) as decode's. Each row's T outputs come from its
     checkpoint and committed records without writing a state; the drafts' records are appended
     behind the committed ones; a row with h + T > window first folds its committed records into
-    the checkpoint (one state write). Follow every verify with :func:`commit` before the next
-    step: between the two, a slot's cursor, origin and SR write counter are internal.
+    the checkpoint (one state write).
+
+    Protocol: verify, then commit, then anything else. Follow every verify with one
+    :func:`commit` of the same ``slot_ids``, row for row: between the two, a slot's cursor,
+    origin and SR write counter are internal, so every other op on the cache (decode, another
+    verify, load_prefill, materialize, read_state) is refused until the commit. Rows verify
+    skips are zero in an ``out`` it allocates; inference-only and ``config`` as :func:`decode`.
 
     On a cache with low-precision state the outputs read the read copy (else the checkpoint),
     and a folding row reads the recurrence checkpoint and writes every copy from the one fp32
@@ -309,11 +373,7 @@ def verify(cache, *args, **kwargs):
     capturable): total_tokens == b * T is checked from shapes, and ``REPLAYSSM_CUTE_DEBUG=1``
     also checks cu_seqlens == arange(b + 1) * T, which synchronises.
     """
-    if isinstance(cache, Mamba2Cache):
-        return _named("verify", _verify_mamba2, cache, *args, **kwargs)
-    if isinstance(cache, GDNCache):
-        return _named("verify", _verify_gdn, cache, *args, **kwargs)
-    raise TypeError(f"verify: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
+    return _dispatch("verify", cache, _verify_mamba2, _verify_gdn, args, kwargs)
 
 
 def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -327,6 +387,7 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
         z, out = (_unpack_tokens(n, t, bsz, T, optional=True) for n, t in (("z", z), ("out", out)))
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
+    _check_config(cache, config)
     b, T = x.shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("x", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
@@ -344,8 +405,17 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
                                       dt_softplus, b, config)
         kernel(checkpoint_arg(cache), x, dt, A, B, C, D, z, dt_bias, slot_ids, out, cache.ring_x, cache.ring_B,
                cache.ring_dt, cache.cursor, cache.origin, *state_copy_args(cache))
-    cache.pending_drafts = T  # what the next commit applies, once the step has run
+    _await_commit(cache, T, slot_ids)
     return _verify_result(out, packed_out, cu_seqlens)
+
+
+def _await_commit(cache, T: int, slot_ids: torch.Tensor) -> None:
+    """Record the verify step that has run for its commit: T, the batch and, on a CPU cache or
+    in debug mode outside capture, its slot ids read on the host (never on the normal GPU path,
+    which stays free of device->host reads)."""
+    device = slot_ids.device
+    host_ids = tuple(slot_ids.tolist()) if device.type == "cpu" or _debug_host_checks(device) else None
+    cache.pending_verify = PendingVerify(T, slot_ids.shape[0], host_ids)
 
 
 def _verify_result(out, packed_out, cu_seqlens):
@@ -368,13 +438,21 @@ def _named(op: str, fn, *args, **kwargs):
 
 
 def commit(cache, slot_ids, num_accepted):
-    """Accept the first ``num_accepted[r]`` (1..T) drafts of each row of the last :func:`verify`.
+    """Accept the first ``num_accepted[r]`` (1..T) drafts of each row of the pending :func:`verify`.
 
-    ``num_accepted`` is an int32 device tensor (b,), so a verify + commit step captures in one CUDA
-    graph. Rejected drafts are dropped by moving the cursor (nothing is copied); after a flush
-    the origin moves past the folded records (and, with an SR checkpoint, the slot's write
-    counter advances past the verify step's write). Pad rows are skipped. Values outside 1..T are
-    not checked on the device (``REPLAYSSM_CUTE_DEBUG=1`` checks them on the host).
+    ``slot_ids`` must be the verify's, row for row (the same values in the same order), and
+    ``num_accepted`` an int32 tensor (b,) on the device, so a verify + commit step captures in one
+    CUDA graph. Rejected drafts are dropped by moving the cursor (nothing is copied); after a
+    flush the origin moves past the folded records (and, with an SR checkpoint, the slot's write
+    counter advances past the verify step's write). Pad rows are skipped.
+
+    What is checked where: the batch size against the verify's everywhere (tensor metadata). The
+    CPU path compares the slot ids with the verify's and refuses num_accepted outside 1..T;
+    ``REPLAYSSM_CUTE_DEBUG=1`` does both on the host on the GPU path too (it synchronises; skipped
+    under CUDA-graph capture). The normal GPU path reads nothing back and assumes both: the
+    commit kernel moves the cursor of whichever slot each row names, so a commit naming other
+    slots would advance slots never verified over stale records and leave the verified ones
+    without their drafts, and a count outside 1..T would corrupt the cursor.
     """
     return _named("commit", _commit, cache, slot_ids, num_accepted)
 
@@ -382,17 +460,25 @@ def commit(cache, slot_ids, num_accepted):
 def _commit(cache, slot_ids, num_accepted):
     if not isinstance(cache, (Mamba2Cache, GDNCache)):
         raise TypeError(f"commit: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
-    T = getattr(cache, "pending_drafts", None)
-    if T is None:
+    pending = cache.pending_verify
+    if pending is None:
         raise ValueError("commit: argument 'cache': no verify step to commit (call verify first)")
+    T, b = pending.num_drafts, pending.batch
     device = cache.checkpoint.device
-    b = slot_ids.shape[0] if isinstance(slot_ids, torch.Tensor) else -1
+    if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 and slot_ids.shape[0] != b:
+        _fail("slot_ids", f"the {b} slot ids of the pending verify, row for row", f"{slot_ids.shape[0]} ids")
     slot_ids = _slot_ids(slot_ids, b, device)
     if (not isinstance(num_accepted, torch.Tensor) or num_accepted.dtype != torch.int32
             or tuple(num_accepted.shape) != (b,) or num_accepted.device != device or not num_accepted.is_contiguous()):
         _fail("num_accepted", f"a contiguous int32 tensor of shape ({b},) on {device}",
               f"{getattr(num_accepted, 'dtype', type(num_accepted).__name__)} {tuple(getattr(num_accepted, 'shape', ()))}")
-    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    host_checks = _debug_host_checks(device)
+    if pending.slot_ids is not None and (device.type == "cpu" or host_checks):
+        ids = tuple(slot_ids.tolist())
+        if ids != pending.slot_ids:
+            _fail("slot_ids", f"the slot ids of the pending verify, row for row ({_preview(pending.slot_ids)}): "
+                  f"each row's num_accepted applies to the drafts that row verified", _preview(ids))
+    if host_checks:
         _check_slots(cache, slot_ids)
         live = [i for i, s_ in enumerate(slot_ids.tolist()) if s_ != cache.pad_slot_id and 0 <= s_ < cache.num_slots]
         bad = [a for i, a in enumerate(num_accepted.tolist()) if i in live and not 1 <= a <= T]
@@ -407,13 +493,19 @@ def _commit(cache, slot_ids, num_accepted):
         from .kernels_host import commit_kernel
 
         commit_kernel(cache, T)(slot_ids, num_accepted, cache.cursor, cache.origin, cache.sr_counter)
-    cache.pending_drafts = None  # consumed, once the commit has run
+    cache.pending_verify = None  # consumed, once the commit has run
+
+
+def _preview(ids) -> str:
+    """Slot ids for an error message: the first 8."""
+    return str(list(ids[:8]))[:-1] + (", ...]" if len(ids) > 8 else "]")
 
 
 def _gdn_param(name: str, t, HV: int, act, device) -> torch.Tensor:
     """A_log / dt_bias: (HV,) packed, fp32 or the activation dtype (read as is, in fp32)."""
     if not isinstance(t, torch.Tensor):
         _fail(name, f"a ({HV},) tensor", type(t).__name__)
+    _no_autograd(name, t)
     if tuple(t.shape) != (HV,):
         _fail(name, f"shape ({HV},)", tuple(t.shape))
     if t.dtype not in (torch.float32, act):
@@ -431,6 +523,7 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != width:
         _fail("mixed_qkv", f"a (batch, {width}) tensor ([q | k | v] = 2 * {H} * {K} + {HV} * {V})",
               getattr(mixed_qkv, "shape", type(mixed_qkv).__name__))
+    _no_autograd("mixed_qkv", mixed_qkv)
     if mixed_qkv.dtype != act:
         _fail("mixed_qkv", f"dtype {act} (the cache's activation dtype; no implicit casts)", mixed_qkv.dtype)
     if mixed_qkv.device != device:
@@ -474,11 +567,11 @@ def _gdn_inputs(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixe
                               or not 0 < scale < float("inf")):
         _fail("scale", "None or a positive finite float", scale)
     slot_ids = _slot_ids(slot_ids, lead[0], device)
-    if out is None:
-        out = torch.empty(lead + (HV, V), dtype=act, device=device)
+    if out is None:  # zeros: the rows a step skips must not come back as stale memory
+        out = torch.zeros(lead + (HV, V), dtype=act, device=device)
     else:
         out = _activation("out", out, lead + (HV, V), act, device, aligned=False)
-    if debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if _debug_host_checks(device):
         _check_slots(cache, slot_ids)
     return q, k, v, a, b, A_log, dt_bias, slot_ids, out
 
@@ -487,6 +580,7 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
                 *, scale=None, out=None, mixed_qkv=None, config=None):
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixed_qkv, drafts=False)
+    _check_config(cache, config)
     bsz = v.shape[0]
     device = cache.checkpoint.device
     if bsz == 0:
@@ -517,6 +611,7 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
         out = _unpack_tokens("out", out, bsz, T, optional=True)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
+    _check_config(cache, config)
     bsz, T = v.shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("v", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
@@ -532,7 +627,7 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
         kernel = gdn_verify_kernel(cache, T, a.dtype, A_log.dtype, dt_bias.dtype, scale, bsz, config)
         kernel(checkpoint_arg(cache), q, k, v, a, b, A_log, dt_bias, slot_ids, out, cache.ring_u, cache.ring_k,
                cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin, *state_copy_args(cache))
-    cache.pending_drafts = T  # what the next commit applies, once the step has run
+    _await_commit(cache, T, slot_ids)
     return _verify_result(out, packed_out, cu_seqlens)
 
 
@@ -551,14 +646,10 @@ def snapshot_verify(cache, *args, **kwargs):
     Each row's state is read once and the state after each of its T drafts (1 <= T <= 16) is
     written to ``snapshots[row, t]`` (a contiguous fp32 tensor (b, T) + the state's shape: (H, P,
     N) or (HV, V, K)); the cache is not written (the accepted snapshot becomes the state by copy
-    or pointer switch). Tokens as :func:`verify`; pad rows leave their ``out`` and ``snapshots``
-    rows untouched."""
-    if isinstance(cache, Mamba2Cache):
-        return _named("snapshot_verify", _snapshot_verify_mamba2, cache, *args, **kwargs)
-    if isinstance(cache, GDNCache):
-        return _named("snapshot_verify", _snapshot_verify_gdn, cache, *args, **kwargs)
-    raise TypeError(f"snapshot_verify: argument 'cache': expected a Mamba2Cache or a GDNCache, "
-                    f"got {type(cache).__name__}")
+    or pointer switch). Tokens as :func:`verify`; pad rows leave their ``snapshots`` rows and
+    their rows of a caller's ``out`` untouched (zero in an ``out`` allocated here). ``config`` and
+    inference-only as :func:`decode`."""
+    return _dispatch("snapshot_verify", cache, _snapshot_verify_mamba2, _snapshot_verify_gdn, args, kwargs)
 
 
 def _check_conventional(cache) -> None:
@@ -574,6 +665,7 @@ def _check_snapshots(cache, snapshots, b: int, T: int, tokens: str) -> None:
     shape = (b, T) + tuple(cache.checkpoint.shape[1:])
     if not isinstance(snapshots, torch.Tensor):
         _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}", type(snapshots).__name__)
+    _no_autograd("snapshots", snapshots)
     if (tuple(snapshots.shape) != shape or snapshots.dtype != torch.float32 or snapshots.device != device
             or not snapshots.is_contiguous()):
         _fail("snapshots", f"a contiguous float32 tensor of shape {shape} on {device}",
@@ -585,6 +677,7 @@ def _snapshot_verify_mamba2(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, 
     _check_conventional(cache)
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
+    _check_config(cache, config)
 
     def reference():
         from .reference_spec import mamba2_snapshot_verify_cache_
@@ -607,6 +700,7 @@ def _snapshot_verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapsho
     _check_conventional(cache)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
+    _check_config(cache, config)
 
     def reference():
         from .reference_spec import gdn_snapshot_verify_cache_

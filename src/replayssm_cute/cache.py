@@ -1,6 +1,6 @@
 """State pools for ReplaySSM decoding: Mamba2Cache and GDNCache.
 
-Mamba2Cache layout (DESIGN_NOTES.md; slots = pool size, cap = window + max_draft):
+Mamba2Cache layout (docs/design.md section 8; slots = pool size, cap = window + max_draft):
 
 * ``checkpoint`` (slots, H, P, N) float32, N contiguous
 * ``ring_x``  (slots, cap, H, P) activation dtype      } None when window == 1
@@ -27,7 +27,18 @@ window == 1 is conventional decoding: the checkpoint is the state and there is n
 A decode row whose slot id equals ``pad_slot_id`` (-1 or 0) is skipped; with
 ``pad_slot_id == 0`` slot 0 is reserved and never holds a sequence.
 
-Low-precision state (docs/replayssm.md section 5; ``checkpoint_format``, ``read_copy``, ``shared``)
+Shapes. A cache on the CPU is the float64 reference backend and takes any shape. A cache on
+any other device must be one the GPU kernels run, checked at construction: Mamba-2 headdim a
+multiple of 16 and dstate a multiple of 32 up to 256, GDN head_v_dim and head_k_dim multiples
+of 16 up to 256, and window + max_draft (the ring) at most 32 (one lane per record).
+
+Speculative protocol. ``api.verify`` leaves ``pending_verify`` set (``pending_drafts`` is its
+T) until ``api.commit`` consumes it: verify, then commit, then anything else. Meanwhile every
+other op on the cache that reads or writes slot state (decode, verify, load_prefill,
+materialize, read_state) is refused, since the drafts sit in the ring behind cursors that only
+the commit makes consistent.
+
+Low-precision state (docs/design.md section 5; ``checkpoint_format``, ``read_copy``, ``shared``)
 ---------------------------------------------------------------------------------------------------
 Two roles: the **recurrence checkpoint** ``checkpoint`` (what a flush reads and rebuilds from)
 and the **read copy** ``read_copy`` (what non-flush steps read; never read back into the
@@ -89,13 +100,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import quant, reference
 
-__all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS", "READ_COPY_FORMATS"]
+__all__ = ["Mamba2Cache", "GDNCache", "PendingVerify", "checkpoint_sr_bits", "CHECKPOINT_FORMATS",
+           "READ_COPY_FORMATS"]
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_DRAFT = 16
@@ -107,6 +119,18 @@ READ_COPY_FORMATS = (None, "fp16", "fp8", "nvfp4")
 _COPIES = ("checkpoint", "read_copy")  # prefixes of the two state copies' tensors
 _SCALE_SUFFIXES = ("_scale", "_state_scale")
 _SEED_MASK = (1 << 32) - 1
+# The GPU kernels' ring: one lane per record (Mamba2Config / GDNConfig.check_tiles in kernels/).
+_KERNEL_MAX_CAPACITY = 32
+
+
+class PendingVerify(NamedTuple):
+    """A verify step awaiting its commit (``api.verify`` sets it, ``api.commit`` consumes it)."""
+
+    num_drafts: int
+    batch: int
+    # verify's slot ids, read on the host only where that costs no device sync (a CPU cache) or
+    # debug mode asked for it; else None and commit checks the batch size only
+    slot_ids: Optional[Tuple[int, ...]]
 
 
 def _format(name: str, K: int):
@@ -165,13 +189,16 @@ class _SlotPool:
     per-slot index tensors, slot-id validation, prefill hand-over and the memory report.
 
     A subclass names its layer dimensions (``_DIMS``, constructor order), the per-slot
-    checkpoint shape (``_STATE_DIMS``), its innermost state dimension (``_INNERMOST``),
-    checks its dimensions (``_check_dims``) and lists its ring tensors (``_ring_layout``).
+    checkpoint shape (``_STATE_DIMS``), its innermost state dimension (``_INNERMOST``), the
+    GPU kernels' range of its dimensions (``_KERNEL_DIMS``), checks its dimensions
+    (``_check_dims``) and lists its ring tensors (``_ring_layout``).
     """
 
     _DIMS: Tuple[str, ...] = ()
     _STATE_DIMS: Tuple[str, ...] = ()
     _INNERMOST: str = ""
+    # (dimension, the multiple the kernels need, their maximum or None) for a cache off the CPU
+    _KERNEL_DIMS: Tuple[Tuple[str, int, Optional[int]], ...] = ()
     _REPR_EXTRA: Tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ subclass hooks
@@ -219,6 +246,10 @@ class _SlotPool:
             device = torch.device(device)
         except (TypeError, RuntimeError) as e:
             raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
+        if checkpoint is not None:  # from_state: the engine's fp32 pool is the checkpoint
+            device = checkpoint.device
+        if device.type != "cpu":
+            self._check_kernel_range(dims, window, max_draft, device)
 
         self.num_slots = num_slots
         for name, value in dims.items():
@@ -228,9 +259,8 @@ class _SlotPool:
         self.capacity = window + max_draft
         self.dtype = dtype
         self.pad_slot_id = pad_slot_id
+        self.pending_verify: Optional[PendingVerify] = None
 
-        if checkpoint is not None:  # from_state: the engine's fp32 pool is the checkpoint
-            device = checkpoint.device
         self._allocate_copies(num_slots, device, checkpoint)
         device = self.checkpoint.device
         self.device = device
@@ -246,6 +276,22 @@ class _SlotPool:
         if self.checkpoint_format != "fp32":
             self.sr_seed = torch.tensor([self._sr_seed_value], dtype=torch.int64, device=device)
             self.sr_counter = torch.zeros((num_slots,), dtype=_IDX_DTYPE, device=device)
+
+    def _check_kernel_range(self, dims: dict, window: int, max_draft: int, device) -> None:
+        """A cache off the CPU must have a shape the GPU kernels run (``_KERNEL_DIMS`` and the
+        ring); the CPU cache, the float64 reference backend, takes any shape."""
+        where = (f"for a cache on {device} (the GPU kernels' range; a cache on the CPU, the float64 reference "
+                 f"backend, takes any shape)")
+        for name, multiple, maximum in self._KERNEL_DIMS:
+            d = dims[name]
+            if d % multiple or (maximum is not None and d > maximum):
+                bound = "" if maximum is None else f" in [{multiple}, {maximum}]"
+                raise ValueError(f"{name} must be a multiple of {multiple}{bound} {where}, got {d}")
+        if window + max_draft > _KERNEL_MAX_CAPACITY:
+            raise ValueError(
+                f"window + max_draft (the ring capacity) must be at most {_KERNEL_MAX_CAPACITY} {where}: one lane "
+                f"per record, got window {window} + max_draft {max_draft} = {window + max_draft}"
+            )
 
     def _check_precision(self, checkpoint_format, read_copy, shared, sr_seed, window: int, dims: dict) -> None:
         """Validate and record the state formats (module docstring); errors name the argument."""
@@ -331,6 +377,22 @@ class _SlotPool:
         return tuple(getattr(self, name) for name in self._STATE_DIMS)
 
     @property
+    def pending_drafts(self) -> Optional[int]:
+        """T of the verify awaiting its commit, or None (module docstring: the protocol)."""
+        return None if self.pending_verify is None else self.pending_verify.num_drafts
+
+    def _refuse_while_verify_pending(self, op: str) -> None:
+        """Refuse ``op`` between a verify and its commit: the drafts sit in the ring behind
+        cursors that only the commit makes consistent (on the GPU the cursor and origin still
+        say what verify read while a flushing row's checkpoint already holds the fold)."""
+        if self.pending_verify is not None:
+            raise ValueError(
+                f"{op}: argument 'cache': a verify of {self.pending_verify.num_drafts} drafts awaits its commit; "
+                f"the protocol is verify, then commit, then anything else: call commit(cache, slot_ids, "
+                f"num_accepted) with the verify's slot ids first"
+            )
+
+    @property
     def is_conventional(self) -> bool:
         """True when window == 1: plain conventional decoding, no ring."""
         return self.window == 1
@@ -360,7 +422,9 @@ class _SlotPool:
 
     def read_state(self, slot_ids: Union[torch.Tensor, Sequence[int]], copy: str = "checkpoint") -> torch.Tensor:
         """The stored value of a state copy, decoded to float32 (n, *state shape): ``copy`` is
-        "checkpoint" (the recurrence checkpoint) or "read_copy". Slot ids may repeat."""
+        "checkpoint" (the recurrence checkpoint) or "read_copy". Slot ids may repeat. Refused
+        while a verify awaits its commit."""
+        self._refuse_while_verify_pending("read_state")
         fmt, data, scales = self._copy(copy)
         ids = self._slot_ids(slot_ids, allow_duplicates=True)
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -393,7 +457,10 @@ class _SlotPool:
         if self.sr_counter is not None:
             self.sr_counter[idx] += 1
 
-    def _slot_ids(self, slot_ids, name: str = "slot_ids", allow_duplicates: bool = False) -> list:
+    def _slot_ids(self, slot_ids, name: str = "slot_ids", allow_duplicates: bool = False,
+                  allow_pad: bool = False) -> list:
+        """Validated slot ids as a list: each in [0, num_slots) and not the reserved slot 0 (with
+        ``allow_pad`` the pad sentinel passes too), distinct unless ``allow_duplicates``."""
         if isinstance(slot_ids, torch.Tensor):
             if slot_ids.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(slot_ids.shape)}")
@@ -406,6 +473,8 @@ class _SlotPool:
             except TypeError:
                 raise TypeError(f"{name} must be an integer tensor or a sequence of ints") from None
         for s in ids:
+            if allow_pad and s == self.pad_slot_id:
+                continue
             if not 0 <= s < self.num_slots:
                 raise ValueError(f"{name} entry {s} is outside [0, num_slots={self.num_slots})")
             if self.pad_slot_id == 0 and s == 0:
@@ -423,7 +492,9 @@ class _SlotPool:
         low-precision checkpoint (advancing sr_counter), RTN into the read copy.
 
         state: (n, *checkpoint shape of one slot), any floating dtype, one entry per slot id.
+        Refused while a verify awaits its commit.
         """
+        self._refuse_while_verify_pending("load_prefill")
         ids = self._slot_ids(slot_ids)
         if not isinstance(state, torch.Tensor):
             raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
@@ -476,9 +547,12 @@ class Mamba2Cache(_SlotPool):
     Args:
         num_slots: pool size (sequences that can be held at once; with pad_slot_id == 0
             slot 0 is reserved, so num_slots - 1 are usable).
-        nheads, headdim, dstate, ngroups: H, P, N, G of the layer (this shard).
+        nheads, headdim, dstate, ngroups: H, P, N, G of the layer (this shard); off the CPU
+            headdim a multiple of 16 and dstate a multiple of 32 up to 256 (the GPU kernels'
+            range; module docstring).
         window: ReplaySSM window L (>= 1); 1 means conventional decoding (no ring).
-        max_draft: ring room for speculative drafts, 0..16 (must be 0 when window == 1).
+        max_draft: ring room for speculative drafts, 0..16 (must be 0 when window == 1); off
+            the CPU window + max_draft <= 32.
         dtype: activation dtype of ring_x / ring_B: bfloat16, float16 or float32.
         device: where the tensors live.
         pad_slot_id: slot id of padding rows, -1 or 0.
@@ -497,6 +571,8 @@ class Mamba2Cache(_SlotPool):
     _DIMS = ("nheads", "headdim", "dstate", "ngroups")
     _STATE_DIMS = ("nheads", "headdim", "dstate")
     _INNERMOST = "N"
+    # kernels/mamba2: N / 32 elements per lane (Mamba2Config.check_tiles), 16-row tiles
+    _KERNEL_DIMS = (("headdim", 16, None), ("dstate", 32, 256))
 
     def __init__(
         self,
@@ -558,12 +634,31 @@ class Mamba2Cache(_SlotPool):
 
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]], A: torch.Tensor) -> torch.Tensor:
         """Current state of each slot, float64 (n, H, P, N): checkpoint + replay of its records
-        (a low-precision checkpoint decoded first)."""
-        return reference.mamba2_materialize(self, self._slot_ids(slot_ids, allow_duplicates=True), A)
+        (a low-precision checkpoint decoded first). ``A`` in any form decode takes: (H,) or its
+        stride-0 expansion (H, P, N), float32 (or float64), on the cache's device. Rows naming
+        the pad sentinel are skipped as decode skips them: their state comes back zero. Refused
+        while a verify awaits its commit."""
+        self._refuse_while_verify_pending("materialize")
+        ids = self._slot_ids(slot_ids, allow_duplicates=True, allow_pad=True)
+        return reference.mamba2_materialize(self, ids, self._decay_rates(A))
+
+    def _decay_rates(self, A) -> torch.Tensor:
+        """materialize's ``A`` as the (H,) view, or a ValueError naming it."""
+        H, P, N = self.nheads, self.headdim, self.dstate
+        taken = (isinstance(A, torch.Tensor) and A.dtype in (torch.float32, torch.float64)
+                 and A.device == self.device)
+        if taken and tuple(A.shape) == (H, P, N) and A.stride()[1:] == (0, 0):
+            A = A[:, 0, 0]
+        if not taken or tuple(A.shape) != (H,):
+            got = (f"{A.dtype}, shape {tuple(A.shape)}, strides {A.stride()}, on {A.device}"
+                   if isinstance(A, torch.Tensor) else type(A).__name__)
+            raise ValueError(
+                f"materialize: argument 'A': expected a float32 or float64 tensor on {self.device} of shape "
+                f"({H},) or its stride-0 expansion of shape {(H, P, N)} (strides (s, 0, 0)), got {got}"
+            )
+        return A
 
 
-_GDN_DIM_MULTIPLE = 16
-_GDN_MAX_DIM = 256
 _FLUSH_CORRECTIONS = ("rederive", "fold")
 
 
@@ -577,9 +672,11 @@ class GDNCache(_SlotPool):
     Args:
         num_slots: pool size (with pad_slot_id == 0 slot 0 is reserved).
         num_v_heads, head_v_dim, head_k_dim, num_k_heads: HV, V, K, H of the layer (this
-            shard); HV a multiple of H; V and K multiples of 16 up to 256.
+            shard); HV a multiple of H; off the CPU V and K multiples of 16 up to 256 (the
+            GPU kernels' range; module docstring).
         window: ReplaySSM window L (>= 1); 1 means conventional decoding (no ring).
-        max_draft: ring room for speculative drafts, 0..16 (must be 0 when window == 1).
+        max_draft: ring room for speculative drafts, 0..16 (must be 0 when window == 1); off
+            the CPU window + max_draft <= 32.
         dtype: activation dtype of ring_k (and ring_v): bfloat16, float16 or float32.
         device: where the tensors live.
         pad_slot_id: slot id of padding rows, -1 or 0.
@@ -596,6 +693,8 @@ class GDNCache(_SlotPool):
     _STATE_DIMS = ("num_v_heads", "head_v_dim", "head_k_dim")
     _INNERMOST = "K"
     _REPR_EXTRA = ("keep_v_beta",)
+    # kernels/gdn: GDNConfig.check_tiles
+    _KERNEL_DIMS = (("head_v_dim", 16, 256), ("head_k_dim", 16, 256))
 
     def __init__(
         self,
@@ -636,12 +735,6 @@ class GDNCache(_SlotPool):
     def _check_dims(self, num_v_heads, head_v_dim, head_k_dim, num_k_heads) -> None:
         if num_v_heads % num_k_heads != 0:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-        for name, d in (("head_v_dim", head_v_dim), ("head_k_dim", head_k_dim)):
-            if d % _GDN_DIM_MULTIPLE != 0 or d > _GDN_MAX_DIM:
-                raise ValueError(
-                    f"{name} must be a multiple of {_GDN_DIM_MULTIPLE} in "
-                    f"[{_GDN_DIM_MULTIPLE}, {_GDN_MAX_DIM}], got {d}"
-                )
 
     def _check_options(self, window: int) -> None:
         """Resolve keep_v_beta and flush_corrections against the window and the read copy."""
@@ -702,5 +795,8 @@ class GDNCache(_SlotPool):
     def materialize(self, slot_ids: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
         """Current state of each slot, float64 (n, HV, V, K): checkpoint + replay of its records
         (a low-precision checkpoint decoded first; with flush_corrections "rederive" the
-        corrections re-derived as the next flush will)."""
-        return reference.gdn_materialize(self, self._slot_ids(slot_ids, allow_duplicates=True))
+        corrections re-derived as the next flush will). Rows naming the pad sentinel are skipped
+        as decode skips them: their state comes back zero. Refused while a verify awaits its
+        commit."""
+        self._refuse_while_verify_pending("materialize")
+        return reference.gdn_materialize(self, self._slot_ids(slot_ids, allow_duplicates=True, allow_pad=True))

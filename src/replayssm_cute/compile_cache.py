@@ -12,6 +12,9 @@ arch, this package's version, the CuTe DSL version and the text of every `.py` f
 `replayssm_cute/kernels`, so an edited kernel never loads a stale binary. Files appear atomically
 (temp file in the same folder, then `os.replace`), and one compile per key runs at a time across
 processes (an `fcntl` lock beside the file), so concurrent processes never see a partial file.
+Each file ends with the sha256 of its object code (`_HASH_TAG`, then the hex digest), checked
+before every load: a file changed on disk (a flipped byte in the embedded cubin still loads), cut
+short, or written without the hash is rebuilt and replaced, never trusted.
 
 `REPLAYSSM_CUTE_DISK_CACHE=0` turns the disk layer off. Any disk failure (unwritable folder,
 corrupt file) falls back to compiling, with one warning per process.
@@ -45,8 +48,12 @@ ENV_ARCH = "CUTE_DSL_ARCH"
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 _CAPABILITY_TO_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
-# Bump when the file format or the key layout changes.
+# Bump when the key layout changes. (Entries written before the content hash keep their names:
+# they fail the hash check and are rebuilt in place.)
 _FORMAT = "replayssm_cute-compile-cache-v1"
+# Ends every disk entry, followed by the sha256 (hex) of the object code before it; the object
+# loader reads ELF sections by offset and ignores these trailing bytes.
+_HASH_TAG = b"\nreplayssm_cute-sha256:"
 
 _memory: dict = {}
 # cute.compile is not thread-safe; a miss (compile, export, load) runs under this lock.
@@ -302,7 +309,9 @@ def _get_uncached(name: str, key: tuple, build: Callable[[], object]) -> object:
         if path.exists():
             try:
                 return _load(path, symbol)
-            except Exception as e:  # corrupt file, missing driver, ...
+            except _ContentError as e:  # not what was written: no missing driver explains it
+                _warn_once("content", f"compile cache: could not load {path} ({e}); recompiling")
+            except Exception as e:  # unloadable object, missing driver, ...
                 if not compile_only_mode():
                     _warn_once("load", f"compile cache: could not load {path} ({e}); recompiling")
         fn = build()
@@ -313,9 +322,22 @@ def _get_uncached(name: str, key: tuple, build: Callable[[], object]) -> object:
         return fn
 
 
+class _ContentError(Exception):
+    """A disk entry whose object code does not match its stored hash, or that has none."""
+
+
+def _check_content(path: Path) -> None:
+    body, tag, digest = path.read_bytes().rpartition(_HASH_TAG)  # the digest holds no tag: the last is ours
+    if not tag:
+        raise _ContentError("no content hash: cut short, or written before entries carried one")
+    if hashlib.sha256(body).hexdigest().encode() != digest:
+        raise _ContentError("content hash mismatch: the file changed after it was written")
+
+
 def _load(path: Path, symbol: str) -> object:
     from cutlass.cute.runtime import load_module
 
+    _check_content(path)
     module = load_module(str(path), enable_tvm_ffi=True)
     return module[symbol]  # ExternalBinaryModule looks up `__tvm_ffi_<symbol>`
 
@@ -329,7 +351,9 @@ def _export(fn: object, path: Path, symbol: str) -> None:
         # enable_pic=True, export_only_tvm_ffi_symbols=False). The format comes from the path's
         # extension and defaults to an ELF object for anything but .ll / .bc.
         fn.export_to_c(tmp, function_name=symbol)
-        with open(tmp, "rb") as f:
+        with open(tmp, "r+b") as f:
+            digest = hashlib.sha256(f.read()).hexdigest().encode()
+            f.write(_HASH_TAG + digest)
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)

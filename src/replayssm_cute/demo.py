@@ -10,19 +10,23 @@ on both caches. Every step's outputs of both kernels are checked against the flo
 recurrence, and the states are checked after flushes and at the end. Then both kernels are timed
 (a CUDA graph of L steps, each step over several slot sets so the pool of >= 512 MiB cannot stay
 in L2; the median over replays) and reported per step with their bandwidth on ideal bytes.
-Mamba-2 and Gated DeltaNet models alike (the layer type comes from the model registry).
+Mamba-2 and Gated DeltaNet models alike (the layer type comes from the model registry). Each
+kernel's launch config is printed with where it came from: a tuned config (the shipped H200 file
+or your own tuned-config file, replayssm_cute.tuning) or the analytical default.
 
 Without a GPU: the same staggered check runs on CPU caches through `replayssm_cute.decode` (the
 PyTorch reference path, float32 cache so the check is tight) at batch 2, then the model's kernels
 are compiled for $CUTE_DSL_ARCH (default sm_90a), each with its compile time.
 
-Exit status: 0 when every check passes, 1 when a check fails, 2 on bad arguments or an
-unknown model.
+Arguments are checked before anything runs (--window 2..32: the kernels keep one ring record per
+lane). Exit status: 0 when every check passes, 1 when a check fails, 2 (with one line on stderr)
+on bad arguments or an unknown model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -34,6 +38,7 @@ STATE_TOL = 2e-5  # relative L2, fp32 states against the float64 recurrence
 # fp32 activations); the conventional step (window 1) keeps STATE_TOL.
 GDN_OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
 GDN_RING_STATE_TOL = {"bfloat16": 5e-3, "float16": 2e-3, "float32": 1e-3}
+MAX_WINDOW = 32  # ring capacity: the kernels keep one record per lane
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -92,18 +97,29 @@ class _Mamba2Layer:
     def materialize(self, cache, slots):
         return cache.materialize(slots, self.A)
 
+    tuned_kernel = "mamba2_decode"  # its name in replayssm_cute.tuning
+
     @staticmethod
-    def kernel(cache, batch):
+    def kernel_inputs(cache) -> tuple:
+        """What `decode` above passes on to mamba2_decode_kernel between the cache and the batch
+        (dt dtype, has_D, has_z, has_dt_bias, dt_softplus)."""
+        return (cache.dtype, True, False, True, True)
+
+    @classmethod
+    def kernel(cls, cache, batch):
         """The kernel `decode` uses for this cache with the arguments of `decode` above."""
         from .kernels_host import mamba2_decode_kernel
 
-        return mamba2_decode_kernel(cache, cache.dtype, True, False, True, True, batch)
+        return mamba2_decode_kernel(cache, *cls.kernel_inputs(cache), batch)
 
     def out_tol(self, dtype) -> float:
         return OUT_TOL[_dtype_name(dtype)]
 
     def state_tol(self, window, dtype) -> float:
         return STATE_TOL
+
+    def tolerance_note(self, window):
+        return None
 
 
 class _GDNLayer:
@@ -150,20 +166,36 @@ class _GDNLayer:
     def materialize(self, cache, slots):
         return cache.materialize(slots)
 
+    tuned_kernel = "gdn_decode"  # its name in replayssm_cute.tuning
+
     @staticmethod
-    def kernel(cache, batch):
-        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
+    def kernel_inputs(cache) -> tuple:
+        """What `decode` above passes on to gdn_decode_kernel between the cache and the batch
+        (gate dtype, A_log dtype, dt_bias dtype, scale)."""
         import torch
 
+        return (cache.dtype, torch.float32, torch.float32, None)
+
+    @classmethod
+    def kernel(cls, cache, batch):
+        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
         from .kernels_host import gdn_decode_kernel
 
-        return gdn_decode_kernel(cache, cache.dtype, torch.float32, torch.float32, None, batch)
+        return gdn_decode_kernel(cache, *cls.kernel_inputs(cache), batch)
 
     def out_tol(self, dtype) -> float:
         return GDN_OUT_TOL[_dtype_name(dtype)]
 
     def state_tol(self, window, dtype) -> float:
         return STATE_TOL if window == 1 else GDN_RING_STATE_TOL[_dtype_name(dtype)]
+
+    def tolerance_note(self, window):
+        """Why ReplaySSM's GDN errors are larger than the conventional step's (None at window 1)."""
+        if window == 1:
+            return None
+        return ("why GDN ReplaySSM has a looser tolerance: its ring stores each token's correction u "
+                "in fp16 (and the key in the activation dtype), so its outputs and states carry that "
+                "rounding; the conventional step keeps no ring")
 
 
 _LAYERS = {"mamba2": _Mamba2Layer, "gdn": _GDNLayer}
@@ -198,7 +230,8 @@ def staggered_check(model, batch: int, window: int, windows: int, dtype, device,
     warm = window - 1
     res = {"out_err": {k: 0.0 for k in caches}, "flush_err": 0.0, "flushes": 0,
            "conv_state_err": 0.0, "final_err": {}, "steps": warm + windows * window, "failures": [],
-           "failed": 0, "kind": layer.kind, "out_tol": out_tol, "state_tol": state_tol}
+           "failed": 0, "kind": layer.kind, "out_tol": out_tol, "state_tol": state_tol,
+           "note": layer.tolerance_note(window)}
     fails = res["failures"]
 
     def fail(msg):
@@ -258,10 +291,38 @@ def _print_check(res, batch, window, windows, dtype_name) -> None:
           f"after {res['flushes']} row flushes {res['flush_err']:.2e}; at the end (materialized) "
           f"conventional {res['final_err']['conventional']:.2e}, ReplaySSM "
           f"{res['final_err']['replayssm']:.2e} (tolerance {tols})")
+    if res["note"]:
+        print(f"  {res['note']}")
     for f in res["failures"]:
         print(f"  FAILED: {f}")
     if res["failed"] > len(res["failures"]):
         print(f"  ... {res['failed'] - len(res['failures'])} more failed checks")
+
+
+# --------------------------------------------------------------------------------------- launch configs
+
+
+def _config_source(tuned: bool, gpu: bool) -> str:
+    """Where a picked launch config came from, in words."""
+    from . import tuning
+
+    if tuned:
+        user = tuning.user_file()
+        return f"tuned (H200 file or {user})" if user.is_file() else "tuned (H200 file)"
+    if not gpu:
+        return "analytical default (no GPU: tuned configs apply on the GPU they were measured on)"
+    if not tuning.tuned_enabled():
+        return f"analytical default ({tuning.ENV_DISABLE}=0)"
+    return "analytical default"
+
+
+def launch_config_line(layer, cache, batch: int, gpu: bool) -> str:
+    """`layer`'s decode kernel on `cache` at `batch`: its launch config and where it came from."""
+    from .kernels_host import picked_config
+
+    config, tuned = picked_config(layer.tuned_kernel, cache, batch, *layer.kernel_inputs(cache))
+    fields = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    return f"{layer.tuned_kernel} ({fields}): {_config_source(tuned, gpu)}"
 
 
 # --------------------------------------------------------------------------------------- GPU
@@ -274,7 +335,8 @@ def _gpu_demo(model, shard, args) -> int:
 
     L, batch = args.window, args.batch
     dev = torch.device("cuda")
-    print(f"GPU: {torch.cuda.get_device_name(dev)}; kernels for {target_arch()}")
+    print(f"GPU: {torch.cuda.get_device_name(dev)}; kernels for {target_arch()}; launch configs "
+          f"at batch {batch}:")
     layer = _LAYERS[shard.layer]
     for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
         probe = layer(shard, torch.Generator(device=dev), dev).cache(1, w, torch.bfloat16, dev)
@@ -282,6 +344,7 @@ def _gpu_demo(model, shard, args) -> int:
         layer.kernel(probe, batch)
         print(f"  {name:18s} kernel ready in {time.perf_counter() - t0:5.1f} s "
               f"(compiled, or loaded from the disk cache)")
+        print(f"  {'':18s} {launch_config_line(layer, probe, batch, gpu=True)}")
         del probe
 
     res = staggered_check(shard, batch, L, args.windows, torch.bfloat16, dev, seed=args.seed)
@@ -349,6 +412,13 @@ def _cpu_demo(model, shard, args) -> int:
     _print_check(res, batch, L, args.windows, "fp32")
     print(f"  (reference path, {time.perf_counter() - t0:.1f} s)")
 
+    layer = _LAYERS[shard.layer]
+    print(f"launch configs decode would pick on a GPU at batch {args.batch} (bf16 activations):")
+    for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
+        probe = layer(shard, torch.Generator(), "cpu").cache(1, w, torch.bfloat16, "cpu")
+        print(f"  {name:18s} {launch_config_line(layer, probe, args.batch, gpu=False)}")
+        del probe
+
     from .precompile import compile_variant
     from .precompile import variants as kernel_variants
 
@@ -383,36 +453,47 @@ def _cpu_demo(model, shard, args) -> int:
 # --------------------------------------------------------------------------------------- main
 
 
+def _check_args(args):
+    """(why the arguments cannot run, None, None) or (None, model, its tensor-parallel shard).
+    Needs no cutlass import and runs nothing."""
+    from .models import get_model
+
+    for name, low in (("batch", 1), ("windows", 1), ("tp", 1), ("replays", 1)):
+        if getattr(args, name) < low:
+            return f"--{name} must be >= {low}, got {getattr(args, name)}", None, None
+    if not 2 <= args.window <= MAX_WINDOW:
+        return (f"--window must be in 2..{MAX_WINDOW}, got {args.window} (window 1 is the "
+                f"conventional step, which the demo always runs; the kernels keep one ring record "
+                f"per lane)"), None, None
+    try:
+        model = get_model(args.model)
+    except ValueError as e:
+        return str(e), None, None
+    if model.layer not in _LAYERS:
+        return (f"{model.name} is a {model.layer} model; the demo knows {', '.join(sorted(_LAYERS))} "
+                f"layers"), None, None
+    try:
+        return None, model, model.shard(args.tp)
+    except ValueError as e:
+        return str(e), None, None
+
+
 def main(argv=None) -> int:
-    from .models import MODELS, get_model
+    from .models import MODELS
 
     ap = argparse.ArgumentParser(prog="python -m replayssm_cute.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help=f"one of: {', '.join(MODELS)}")
     ap.add_argument("--batch", type=int, default=8, help="decode rows (default 8; 2 on the CPU)")
-    ap.add_argument("--window", type=int, default=16, help="ReplaySSM window L >= 2 (default 16)")
+    ap.add_argument("--window", type=int, default=16, help=f"ReplaySSM window L in 2..{MAX_WINDOW} (default 16)")
     ap.add_argument("--windows", type=int, default=3, help="full windows to check (default 3)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: one shard's heads")
     ap.add_argument("--replays", type=int, default=15, help="timed graph replays (GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name, low in (("batch", 1), ("window", 2), ("windows", 1), ("tp", 1), ("replays", 1)):
-        if getattr(args, name) < low:
-            ap.error(f"--{name} must be >= {low}")
-
-    try:
-        model = get_model(args.model)
-    except ValueError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
-    if model.layer not in _LAYERS:
-        print(f"demo: {model.name} is a {model.layer} model; the demo knows "
-              f"{', '.join(sorted(_LAYERS))} layers", file=sys.stderr)
-        return 2
-    try:
-        shard = model.shard(args.tp)
-    except ValueError as e:
-        print(f"demo: {e}", file=sys.stderr)
+    reason, model, shard = _check_args(args)
+    if reason is not None:  # before anything runs: one line, exit status 2
+        print(f"demo: {reason}", file=sys.stderr)
         return 2
 
     import torch

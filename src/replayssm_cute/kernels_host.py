@@ -8,6 +8,7 @@ call (or precompile) does.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -24,13 +25,20 @@ def cute_dtype(dtype: torch.dtype):
 
 
 def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: bool = False, shape=None):
-    """Best measured on the H200 (sweeps/bench_decode.py): small tiles at batch <= 16, where more
-    CTAs per row hide latency; at larger batch long warps (16-20 rows) so the per-CTA ring work
-    is amortised, with 2 warps for the conventional step. ``whole_head``: a CTA per head (the
-    writer of an nvfp4 copy needs the whole state's amax). With `shape` of an fp16 / fp8 read
-    copy at larger batch: a head per CTA in 32-row warps, registers capped for 8 CTAs per SM
-    (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256), nvfp4 alike."""
+    """What the autotuner finds on the H200 (tuned/h200.json, every batch bucket of four Mamba-2
+    shapes), for shapes it has not tuned. ReplaySSM: the whole head in one CTA of 4 warps (16-20
+    rows each, one ring walk per head) with registers capped for 4 CTAs per SM, half the head at
+    batch 1 (1.3-1.5x over the 16-row tiles of the old default at batch 2-16). Conventional: 8-row
+    tiles over 2 warps (1-3% over larger tiles at every batch). ``whole_head``: a CTA per head
+    (the writer of an nvfp4 copy needs the whole state's amax). With `shape` of an fp16 / fp8
+    read copy at larger batch: a head per CTA in 32-row warps, registers capped for 8 CTAs per
+    SM (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256), nvfp4 alike.
+    With `shape`, the first choice its check takes."""
     from .kernels.mamba2.decode import Mamba2Config
+
+    def takes(cfg):
+        return headdim % cfg.rows_per_cta == 0 and cfg.rows_per_cta % cfg.num_warps == 0 and (
+            shape is None or cfg.check(shape) is None)
 
     if shape is not None and shape.read_copy is not None and batch > 16 and headdim % 32 == 0:
         light = Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 32, min_ctas_per_sm=8)
@@ -38,12 +46,14 @@ def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: boo
             return light
     if whole_head:
         return Mamba2Config(rows_per_cta=headdim, num_warps=4 if headdim % 4 == 0 else 1)
-    if batch <= 16:
-        return Mamba2Config(rows_per_cta=16, num_warps=4)
-    choices = [(64, 4), (40, 2), (32, 2)] if window > 1 else [(32, 2), (40, 2)]
-    for rows, warps in choices:
-        if headdim % rows == 0:
-            return Mamba2Config(rows_per_cta=rows, num_warps=warps)
+    if window > 1:
+        rows = headdim // 2 if batch == 1 and headdim % 8 == 0 else headdim
+        choices = [Mamba2Config(rows, 4, 4), Mamba2Config(64, 4), Mamba2Config(32, 2)]
+    else:
+        choices = [Mamba2Config(8, 2), Mamba2Config(16, 4)]
+    for cfg in choices:
+        if takes(cfg):
+            return cfg
     return Mamba2Config(rows_per_cta=16, num_warps=4)
 
 
@@ -113,7 +123,13 @@ def _tuned_or_default(default, shape, check, kernel, num_drafts, bucket):
         tuned = dataclasses.replace(default, **fields)
     except TypeError:  # a field this version's config class does not have (a stale file)
         return default
-    return tuned if check(shape, tuned) is None else default
+    try:
+        reason = check(shape, tuned)
+    except Exception as e:  # a check that fails on a file's values must not fail the decode too
+        warnings.warn(f"tuned configs: ignoring the tuned config {tuned} of {kernel}: {type(e).__name__}: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return default
+    return tuned if reason is None else default
 
 
 def forget_picked_configs() -> None:
@@ -158,25 +174,26 @@ def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus
 
 
 def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None, whole_head: bool = False):
-    """Analytical default until the autotuner has measured (H200, scratch sweeps of this
-    kernel): 16-row tiles at batch <= 16, where more CTAs per row hide latency; otherwise 64-row
-    tiles with registers capped for 6 CTAs per SM (the most tiles in flight) for ReplaySSM, and
-    32-row tiles over 2 warps for the conventional step. With `shape`, the first choice that
-    fits it (shared memory for large K). ``whole_head``: a CTA per head (the writer of an nvfp4
-    copy needs the whole state's amax), 16 rows per warp; also the best measured for fp16 / fp8
-    read copies at larger batch (sweeps/bench_read_precision.py, batch 256)."""
+    """What the autotuner finds on the H200 (tuned/h200.json, every batch bucket of two GDN
+    shapes), for shapes it has not tuned. ReplaySSM: 64-row tiles over 4 warps at batch <= 16
+    (1.5-1.7x over the 16-row tiles of the old default), the whole head over 8 warps above (one
+    ring walk per head). Conventional: 8-row tiles over 2 warps (1-2% over larger tiles). With
+    `shape`, the first choice that fits it (shared memory for large K). ``whole_head``: a CTA per
+    head (the writer of an nvfp4 copy needs the whole state's amax), 16 rows per warp; also the
+    best measured for fp16 / fp8 read copies at larger batch (sweeps/bench_read_precision.py,
+    batch 256)."""
     from .kernels.gdn.decode import GDNConfig
 
     if shape is not None and shape.read_copy is not None and batch > 16 and head_v_dim % 16 == 0:
         whole_head = GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16).check(shape) is None
     if whole_head:
         return GDNConfig(rows_per_cta=head_v_dim, num_warps=max(1, head_v_dim // 16))
-    if batch <= 16:
-        choices = [(16, 4, 0), (16, 2, 0)]
-    elif window > 1:
-        choices = [(64, 4, 6), (32, 2, 0), (16, 2, 0)]
+    if window == 1:
+        choices = [(8, 2, 0), (16, 2, 0)]
+    elif batch <= 16:
+        choices = [(64, 4, 0), (32, 2, 0), (16, 2, 0)]
     else:
-        choices = [(32, 2, 0), (16, 2, 0)]
+        choices = [(128, 8, 0), (64, 4, 6), (32, 2, 0), (16, 2, 0)]
     for rows, warps, ctas in choices:
         if head_v_dim % rows == 0:
             cfg = GDNConfig(rows_per_cta=rows, num_warps=warps, min_ctas_per_sm=ctas)
@@ -251,15 +268,16 @@ def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias,
 
 
 def default_mamba2_verify_config(headdim: int, batch: int, whole_head: bool = False):
-    """Verify tiles 16 rows per warp (the MMA's M): one warp per CTA at small batch, where more
+    """Verify tiles 16 rows per warp (the MMA's M): one warp per CTA at batch <= 2, where more
     CTAs per row hide latency, else the whole head (up to 4 warps) so the per-CTA dot GEMM and
-    staging are shared by more rows. ``whole_head``: a CTA per head at any batch (an nvfp4 copy's
-    writer)."""
+    staging are shared by more rows (tuned on the H200, Nemotron-3-Super T = 4 and 8: 1.1-1.25x
+    over one-warp CTAs at batch 4-16). ``whole_head``: a CTA per head at any batch (an nvfp4
+    copy's writer)."""
     from .kernels.mamba2.decode import Mamba2Config
 
     if whole_head:
         return Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 16)
-    if batch > 16:
+    if batch > 2:
         for rows in (64, 32):
             if headdim % rows == 0:
                 return Mamba2Config(rows_per_cta=rows, num_warps=rows // 16)
@@ -357,3 +375,43 @@ def default_gdn_snapshot_config(head_v_dim: int, batch: int):
     from .kernels.gdn.decode import GDNConfig
 
     return GDNConfig(16, 4) if batch <= 16 or head_v_dim % 32 else GDNConfig(32, 4)
+
+
+def picked_config(kernel: str, cache, batch: int, *inputs, num_drafts: int = 0):
+    """(config, tuned): the launch config that ``kernel`` runs with for `cache` at `batch` when
+    the caller passes no ``config``, and whether it is a tuned one (replayssm_cute.tuning: the
+    shipped H200 file or the user's file) rather than the analytical default. The same choice as
+    the ``*_kernel`` functions above make, without compiling anything (it imports cutlass).
+
+    kernel: "mamba2_decode", "gdn_decode", "mamba2_verify" or "gdn_verify"; `inputs` are the
+    arguments that its ``*_kernel`` function takes between the cache (or num_drafts) and the batch:
+    Mamba-2 (dt_dtype, has_D, has_z, has_dt_bias, dt_softplus), GDN (gate_dtype, A_log_dtype,
+    dt_bias_dtype, scale). `num_drafts`: T for verify.
+    """
+    bucket = batch_bucket(batch)
+    whole_head = _whole_head(cache)
+    if kernel == "mamba2_decode":
+        shape = _mamba2_cache_shape(cache, *inputs)
+        default = default_mamba2_config(cache.headdim, bucket, cache.window, whole_head, shape)
+        check, num_drafts = (lambda s, c: c.check(s)), 0
+    elif kernel == "gdn_decode":
+        shape = _gdn_cache_shape(cache, *inputs)
+        default = default_gdn_config(cache.head_v_dim, bucket, cache.window, shape, whole_head)
+        check, num_drafts = (lambda s, c: c.check(s)), 0
+    elif kernel == "mamba2_verify":
+        from .kernels.mamba2.verify import Mamba2Verify
+
+        shape = _mamba2_cache_shape(cache, *inputs)
+        default = default_mamba2_verify_config(cache.headdim, bucket, whole_head)
+        check = lambda s, c: Mamba2Verify.check(s, c, num_drafts)  # noqa: E731
+    elif kernel == "gdn_verify":
+        from .kernels.gdn.verify import GDNVerify
+
+        shape = _gdn_cache_shape(cache, *inputs)
+        default = default_gdn_verify_config(cache.head_v_dim, bucket, whole_head)
+        check = lambda s, c: GDNVerify.check(s, c, num_drafts)  # noqa: E731
+    else:
+        raise ValueError(f"picked_config: argument 'kernel': expected mamba2_decode, gdn_decode, "
+                         f"mamba2_verify or gdn_verify, got {kernel!r}")
+    picked = _tuned_or_default(default, shape, check, kernel, num_drafts, bucket)
+    return picked, picked is not default

@@ -1,4 +1,4 @@
-"""Registry of model layer shapes (replayssm.md section 7): what precompile, demo and sweeps use.
+"""Registry of model layer shapes (docs/design.md section 7): what precompile, demo and sweeps use.
 
 Shapes are per GPU without tensor parallelism; pass ``tp`` to get a shard's heads and groups.
 """

@@ -348,7 +348,8 @@ def compile_commit_kernel(window: int, drafts: int):
     from .cache import Mamba2Cache
     from .kernels_host import commit_kernel
 
-    return commit_kernel(Mamba2Cache(1, 1, 1, 1, 1, window=window, max_draft=drafts, device="meta"), drafts)
+    # the smallest dims a Mamba2Cache off the CPU takes; the commit kernel ignores them
+    return commit_kernel(Mamba2Cache(1, 1, 16, 32, 1, window=window, max_draft=drafts, device="meta"), drafts)
 
 
 def _step_sizes(model):
@@ -365,7 +366,7 @@ def ideal_bytes(model, batch: int, window: int) -> Dict[str, float]:
     ``headdim`` P, ``dstate`` N, ``ngroups`` G, or GDN with ``nheads`` HV, ``headdim`` V,
     ``dstate`` K, ``ngroups`` H; ``window`` is the ReplaySSM window L. With S the fp32 state per
     sequence (H*P*N*4, or HV*V*K*4), e one ring record and act the step's inputs and outputs
-    (shared/docs/performance.md):
+    (docs/benchmarking.md):
 
     * Mamba-2: e = H*P*2 + G*N*2 + H*4 (x and B in 16-bit, dt fp32),
       act = 2*H*P*2 + 2*G*N*2 + H*2 (x and the output y, B and C, raw dt, all 16-bit);

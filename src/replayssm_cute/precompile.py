@@ -1,13 +1,13 @@
 """Build every kernel a model needs into the compile cache, with no GPU required.
 
     python -m replayssm_cute.precompile --model nemotron-super [--arch sm_90a|sm_100a|sm_103a]
-        [--window 16] [--dtypes bf16,fp16] [--with-z] [--drafts 2,4,8] [--read-copies fp16,fp8,nvfp4]
-        [--dump-ptx DIR]
+        [--device-name "NVIDIA H200"] [--window 16] [--dtypes bf16,fp16] [--with-z] [--drafts 2,4,8]
+        [--read-copies fp16,fp8,nvfp4] [--dump-ptx DIR] [--workers N]
 
 A server that runs this at build time starts warm: `decode` (and with --drafts, `verify` and
 `commit`) finds its kernels on disk. The variants are those `decode` asks for with the engines'
-usual arguments, for the conventional step (window 1) and ReplaySSM (--window), each with its
-small-batch and large-batch launch config:
+usual arguments, for the conventional step (window 1) and ReplaySSM (--window), each with every
+launch config decode picks over the batch buckets (1, 2, 4, ..., 1024) on the target device:
 
 * Mamba-2 models: D and dt_bias given, dt_softplus on, no z (--with-z adds the gated variants),
   dt in the activation dtype, pad sentinel -1.
@@ -16,17 +16,28 @@ small-batch and large-batch launch config:
   sentinel -1. --with-z is an error for them: the GDN output gate (RMSNorm, silu(z)) is applied
   outside the kernel, so there is no gated variant.
 
+Launch configs: decode and verify pick the tuned config of their device (replayssm_cute.tuning:
+the shipped H200 file, the user's file) at the batch's bucket or a neighbouring one, else the
+analytical default. --device-name names the device the kernels are for, as
+torch.cuda.get_device_name() spells it (default: the visible GPU); --arch its target (default:
+$CUTE_DSL_ARCH, else the visible GPU's). With no device named and no GPU visible: the defaults
+and what every device with tuned configs picks at that arch.
+
 --drafts T1,T2,... (default: none) adds what speculative decoding needs on a cache built with
 max_draft = max(T) and the same window, for either layer type: the standard decode kernels on
 that cache (its ring is window + max_draft records, a different kernel from the window-only
-cache's), the verify kernel for each draft count T with the launch configs verify picks for small
-and large batches, and the commit kernel for each T. Each T needs 1 <= T <= min(16, window), and
-window + max(T) <= 32. --dump-ptx covers these kernels too.
+cache's), the verify kernel for each draft count T with the launch configs verify picks, and
+the commit kernel for each T. Each T needs 1 <= T <= min(16, window), and window + max(T) <= 32.
+--dump-ptx covers these kernels too.
 
 --read-copies F1,F2,... (default: none) adds the ReplaySSM decode kernels (--window) of caches
 with those low-precision read copies next to an fp32 checkpoint (GDN: keeping v and beta and
 re-deriving at a flush, the cache's defaults), with the launch configs decode picks for them;
 with --drafts also their draft caches' decode and verify kernels.
+
+The kernels build in --workers processes (default min(16, CPUs); cute.compile is not
+thread-safe) through the disk cache, one line each with the count so far and an estimate of the
+time left; --workers 1 builds them one after another in this process, in order.
 """
 
 from __future__ import annotations
@@ -38,8 +49,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from . import tuning
+from .tuning import BATCH_BUCKETS
+
+PROG = "python -m replayssm_cute.precompile"
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_BATCHES = (1, 1024)  # one batch size for each side of the small / large launch-config split
 _MAX_DRAFTS = 16  # the verify kernels' limit (and Mamba2Cache's max_draft)
 _MAX_CAPACITY = 32  # window + max_draft: one lane per ring record
 
@@ -52,12 +66,31 @@ def config_label(config) -> str:
     return label
 
 
-def _layer_variants(layer: str, window: int, dtypes, make_shape, default_config):
-    """(label, shape, config) for window 1 and `window`, each dtype, each default launch config.
+def _picked(kernel: str, shape, platforms, num_drafts: int = 0):
+    """The distinct launch configs `kernel` (kernels_host.picked_config's names) runs `shape`
+    with, T = `num_drafts`, over every batch bucket, sorted: on each of `platforms`
+    (tuning.Platform, or None for no tuned configs), or with `platforms` None on the active one
+    (tuning.active_platform: this process's GPU, or none)."""
+    from . import kernels_host as kh
 
-    make_shape(dtype, L) builds the static shape; default_config(batch, L, shape) the launch
-    config decode picks for it.
-    """
+    cache, inputs = _cache_like(shape), _kernel_inputs(shape)
+
+    def picks():
+        return {kh.picked_config(kernel, cache, b, *inputs, num_drafts=num_drafts)[0] for b in BATCH_BUCKETS}
+
+    if platforms is None:
+        configs = picks()
+    else:
+        configs = set()
+        for platform in platforms:
+            with tuning.use_platform(platform):
+                configs |= picks()
+    return sorted(configs, key=lambda c: c.key())
+
+
+def _layer_variants(layer: str, window: int, dtypes, make_shape, platforms):
+    """(label, shape, config) for window 1 and `window`, each dtype, each launch config decode
+    picks (``_picked``); make_shape(dtype, L) builds the static shape."""
     import torch
 
     out = []
@@ -65,26 +98,27 @@ def _layer_variants(layer: str, window: int, dtypes, make_shape, default_config)
         dtype = getattr(torch, _DTYPES[dname])
         for L in sorted({1, window}):
             shape = make_shape(dtype, L)
-            configs = {default_config(b, L, shape) for b in _BATCHES}
-            for cfg in sorted(configs, key=lambda c: c.key()):
+            for cfg in _picked(f"{layer}_decode", shape, platforms):
                 mode = "conventional" if L == 1 else f"replay_L{L}"
                 out.append((f"{layer}_{mode}_{dname}_{config_label(cfg)}", shape, cfg))
     return out
 
 
-def mamba2_variants(model, window: int, dtypes, with_z: bool = False, pad_slot_id: int = -1):
-    """(label, shape, config) for every Mamba-2 kernel `decode` needs at this model shape."""
-    from .kernels_host import default_mamba2_config, mamba2_shape
+def mamba2_variants(model, window: int, dtypes, with_z: bool = False, pad_slot_id: int = -1, platforms=None):
+    """(label, shape, config) for every Mamba-2 kernel `decode` needs at this model shape, with
+    the launch configs it picks on `platforms` (``_picked``)."""
+    from .kernels_host import mamba2_shape
 
     return _layer_variants(
         "mamba2", window, dtypes,
         lambda dtype, L: mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
                                       dtype, dtype, True, with_z, True, True, pad_slot_id),
-        lambda batch, L, shape: default_mamba2_config(model.headdim, batch, L))
+        platforms)
 
 
-def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
-    """(label, shape, config) for every GDN kernel `decode` needs at this model shape.
+def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1, platforms=None):
+    """(label, shape, config) for every GDN kernel `decode` needs at this model shape, with the
+    launch configs it picks on `platforms` (``_picked``).
 
     ModelSpec fields for a GDN layer: nheads = HV value heads, headdim = V, dstate = K,
     ngroups = H key heads. The gates a, b come in the activation dtype, A_log and dt_bias fp32,
@@ -92,24 +126,24 @@ def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1):
     """
     import torch
 
-    from .kernels_host import default_gdn_config, gdn_shape
+    from .kernels_host import gdn_shape
 
     return _layer_variants(
         "gdn", window, dtypes,
         lambda dtype, L: gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
                                    dtype, dtype, torch.float32, torch.float32, None, False,
                                    pad_slot_id),
-        lambda batch, L, shape: default_gdn_config(model.headdim, batch, L, shape))
+        platforms)
 
 
 READ_COPIES = ("fp16", "fp8", "nvfp4")
 
 
-def read_copy_variants(model, window: int, dtypes, read_copies, pad_slot_id: int = -1):
+def read_copy_variants(model, window: int, dtypes, read_copies, pad_slot_id: int = -1, platforms=None):
     """(label, shape, config) for the ReplaySSM decode kernels `decode` builds on caches with each
     read copy of `read_copies` next to an fp32 checkpoint (GDNCache's defaults with a read copy:
     v and beta kept, corrections re-derived at a flush), the engines' usual arguments otherwise
-    (mamba2_variants / gdn_variants), each with the small- and large-batch launch config."""
+    (mamba2_variants / gdn_variants), each with the launch configs decode picks on `platforms`."""
     import torch
 
     from . import kernels_host as kh
@@ -121,12 +155,10 @@ def read_copy_variants(model, window: int, dtypes, read_copies, pad_slot_id: int
             if model.layer == "gdn":
                 shape = kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window, dtype,
                                      dtype, torch.float32, torch.float32, None, True, pad_slot_id, "fp32", fmt, True)
-                configs = {kh.default_gdn_config(model.headdim, b, window, shape, fmt == "nvfp4") for b in _BATCHES}
             else:
                 shape = kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window,
                                         dtype, dtype, True, False, True, True, pad_slot_id, "fp32", fmt)
-                configs = {kh.default_mamba2_config(model.headdim, b, window, fmt == "nvfp4", shape) for b in _BATCHES}
-            for cfg in sorted(configs, key=lambda c: c.key()):
+            for cfg in _picked(f"{model.layer}_decode", shape, platforms):
                 out.append((f"{model.layer}_replay_L{window}_read_{fmt}_{dname}_{config_label(cfg)}", shape, cfg))
     return out
 
@@ -173,14 +205,14 @@ def _option_error(model, with_z: bool, window: Optional[int] = None, drafts=None
     return None
 
 
-def variants(model, window: int, dtypes, with_z: bool = False):
+def variants(model, window: int, dtypes, with_z: bool = False, platforms=None):
     """The variants of `model`'s layer type (mamba2_variants or gdn_variants)."""
     reason = _option_error(model, with_z)
     if reason is not None:
         raise ValueError(reason)
     if model.layer == "gdn":
-        return gdn_variants(model, window, dtypes)
-    return mamba2_variants(model, window, dtypes, with_z=with_z)
+        return gdn_variants(model, window, dtypes, platforms=platforms)
+    return mamba2_variants(model, window, dtypes, with_z=with_z, platforms=platforms)
 
 
 def compile_variant(layer: str, shape, config):
@@ -201,12 +233,12 @@ class DraftVariant(NamedTuple):
 
 
 def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad_slot_id: int = -1,
-                   read_copy=None):
+                   read_copy=None, platforms=None):
     """Every kernel that speculative decoding with `drafts` draft counts needs at this model shape,
     on a cache with max_draft = max(drafts) and `window`: the decode kernels on that cache (its
     capacity differs from the window-only cache's), one verify kernel per (dtype, T, launch config)
-    and one commit kernel per T. Launch configs: the defaults decode and verify pick for small and
-    large batches. Arguments as `mamba2_variants` / `gdn_variants` (the engines' usual ones).
+    and one commit kernel per T. Launch configs: those decode and verify pick on `platforms`
+    (``_picked``). Arguments as `mamba2_variants` / `gdn_variants` (the engines' usual ones).
     ``read_copy``: those of a cache with that read copy next to an fp32 checkpoint (GDN keeping v
     and beta, re-deriving at a flush), without the commit kernels (the plain cache's).
     Raises ValueError (naming --drafts) when the draft counts do not apply."""
@@ -222,7 +254,6 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     layer = model.layer
     max_draft = max(drafts)
     capacity = window + max_draft
-    whole_head = read_copy == "nvfp4"
     if layer == "gdn":
         from .kernels.gdn.verify import GDNVerify as Verify
 
@@ -230,12 +261,6 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
             return kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, capacity,
                                 dtype, dtype, torch.float32, torch.float32, None, read_copy is not None,
                                 pad_slot_id, "fp32", read_copy, read_copy is not None)
-
-        def decode_config(batch, shape):
-            return kh.default_gdn_config(model.headdim, batch, window, shape, whole_head)
-
-        def verify_config(batch, shape):
-            return kh.default_gdn_verify_config(model.headdim, batch, whole_head)
     else:
         from .kernels.mamba2.verify import Mamba2Verify as Verify
 
@@ -243,20 +268,11 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
             return kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window,
                                    capacity, dtype, dtype, True, with_z, True, True, pad_slot_id, "fp32", read_copy)
 
-        def decode_config(batch, shape):
-            return kh.default_mamba2_config(model.headdim, batch, window, whole_head, shape)
-
-        def verify_config(batch, shape):
-            return kh.default_mamba2_verify_config(model.headdim, batch, whole_head)
-
-    def configs(choose, shape):
-        return sorted({choose(b, shape) for b in _BATCHES}, key=lambda c: c.key())
-
     cache = f"L{window}_maxdraft{max_draft}" + (f"_read_{read_copy}" if read_copy else "")
     out = []
     for dname in dtypes:
         shape = make_shape(getattr(torch, _DTYPES[dname]))
-        for cfg in configs(decode_config, shape):
+        for cfg in _picked(f"{layer}_decode", shape, platforms):
             reason = cfg.check(shape)
             if reason is not None:
                 raise ValueError(f"--drafts: the decode kernel on a cache of max_draft {max_draft} "
@@ -264,7 +280,7 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
             out.append(DraftVariant(f"{layer}_replay_{cache}_{dname}_{config_label(cfg)}", "decode",
                                     shape, cfg, 0))
         for T in drafts:
-            for cfg in configs(verify_config, shape):
+            for cfg in _picked(f"{layer}_verify", shape, platforms, T):
                 reason = Verify.check(shape, cfg, T)
                 if reason is not None:
                     raise ValueError(f"--drafts: the verify kernel cannot take T = {T} with {cfg}: {reason}")
@@ -303,6 +319,15 @@ def _cache_like(shape):
     return SimpleNamespace(**fields)
 
 
+def _kernel_inputs(shape) -> tuple:
+    """The arguments a ``kernels_host`` decode / verify lookup takes between the cache (and T) and
+    the batch, for a Mamba2Shape or a GDNShape: what the engines pass that built it."""
+    if hasattr(shape, "num_v_heads"):
+        return (_torch_dtype(shape.gate_dtype), _torch_dtype(shape.A_log_dtype), _torch_dtype(shape.dt_bias_dtype),
+                shape.scale or None)
+    return _torch_dtype(shape.dt_dtype), shape.has_D, shape.has_z, shape.has_dt_bias, shape.dt_softplus
+
+
 def compile_draft_variant(layer: str, variant: DraftVariant):
     """Build one of `draft_variants` into the compile cache (or load it); returns the kernel."""
     from . import kernels_host
@@ -310,14 +335,9 @@ def compile_draft_variant(layer: str, variant: DraftVariant):
     s = variant.shape
     if variant.kind == "decode":
         return compile_variant(layer, s, variant.config)
-    if variant.kind == "verify" and layer == "gdn":
-        return kernels_host.gdn_verify_kernel(
-            _cache_like(s), variant.num_drafts, _torch_dtype(s.gate_dtype), _torch_dtype(s.A_log_dtype),
-            _torch_dtype(s.dt_bias_dtype), s.scale or None, 1, variant.config)
     if variant.kind == "verify":
-        return kernels_host.mamba2_verify_kernel(
-            _cache_like(s), variant.num_drafts, _torch_dtype(s.dt_dtype), s.has_D, s.has_z,
-            s.has_dt_bias, s.dt_softplus, 1, variant.config)
+        lookup = kernels_host.gdn_verify_kernel if layer == "gdn" else kernels_host.mamba2_verify_kernel
+        return lookup(_cache_like(s), variant.num_drafts, *_kernel_inputs(s), 1, variant.config)
     if variant.kind == "commit":
         return kernels_host.commit_kernel(_cache_like(s), variant.num_drafts)
     raise ValueError(f"unknown kernel kind {variant.kind!r}")
@@ -362,12 +382,141 @@ def dump_draft_ptx(layer: str, variant: DraftVariant, path: Path) -> None:
     raise ValueError(f"unknown kernel kind {variant.kind!r}")
 
 
+def path_error(path, folder: bool = False) -> Optional[str]:
+    """Why nothing can be written at `path` (a file; with `folder`, a folder to write files into),
+    or None. Checked before long work starts, creating nothing: missing folders on the way are
+    fine where they can be created."""
+    path = Path(path)
+    if path.exists():
+        if path.is_dir() and not folder:
+            return f"{path} is a folder, expected a file path"
+        if folder and not path.is_dir():
+            return f"{path} is a file, expected a folder"
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not writable"
+    return None
+
+
+def target_platforms(device_name: Optional[str], arch: str) -> list:
+    """The platforms whose picks precompile builds (``_picked``) for kernels compiled for `arch`:
+    that of the device named (None: of the active platform's device, the visible GPU); with
+    neither, None (no tuned configs: the defaults, as decode without a GPU) and that of every
+    device with tuned configs."""
+    from . import __version__
+    from .compile_cache import _cutlass_version
+
+    def on(device):
+        return tuning.Platform(device, arch, __version__, _cutlass_version())
+
+    if device_name is None:
+        active = tuning.active_platform()
+        if active is None:
+            return [None] + [on(d) for d in tuning.tuned_devices()]
+        device_name = active.device
+    return [on(device_name)]
+
+
+def _platforms_line(platforms) -> str:
+    devices = [p.device for p in platforms if p is not None]
+    if not tuning.tuned_enabled():
+        return f"launch configs: the defaults ({tuning.ENV_DISABLE}=0 turns tuned configs off)"
+    if None not in platforms and devices[0] not in tuning.tuned_devices():  # a typo in --device-name, say
+        return (f"launch configs: the defaults (no tuned configs for {devices[0]!r}; tuned: "
+                f"{', '.join(map(repr, tuning.tuned_devices())) or 'none'})")
+    if None not in platforms:
+        return f"launch configs: those decode and verify pick on {devices[0]} (tuned where tuned, else the defaults)"
+    return ("launch configs: the defaults" + "".join(f", and those picked on {d}" for d in devices)
+            + " (no --device-name and no GPU visible)")
+
+
+class BuildJob(NamedTuple):
+    """One kernel to build: a `draft_variants` item (decode variants as kind "decode"), and where
+    its PTX goes (None: nowhere)."""
+
+    layer: str
+    variant: DraftVariant
+    ptx: Optional[Path]
+
+
+def init_worker(arch: str) -> None:
+    """A compile worker process's start: the target arch before cutlass is imported (the workers
+    never touch a GPU)."""
+    from .compile_cache import ENV_ARCH
+
+    os.environ[ENV_ARCH] = arch
+
+
+def build_job(job: BuildJob):
+    """Build `job` into the compile cache (and write its PTX): (seconds, None), or (seconds, why
+    it failed)."""
+    t0 = time.perf_counter()
+    try:
+        compile_draft_variant(job.layer, job.variant)
+        if job.ptx is not None:
+            dump_draft_ptx(job.layer, job.variant, job.ptx)
+    except Exception as e:  # reported with the others, then precompile fails
+        return time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+    return time.perf_counter() - t0, None
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def build_all(jobs, workers: int, arch: str) -> dict:
+    """Build every job: in `workers` spawned processes through the disk cache (cute.compile is
+    not thread-safe), in this one, in order, when workers <= 1 or that cache is off. A line per
+    kernel as it is done: the count so far, its time and the time left at the mean rate so far.
+    Returns {label: why} of those that failed."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from .compile_cache import disk_cache_enabled
+
+    t0, failed = time.perf_counter(), {}
+    count, label = len(str(len(jobs))), max(len(job.variant.label) for job in jobs)
+
+    def done(i, job, seconds, why):
+        left = (time.perf_counter() - t0) / i * (len(jobs) - i)
+        line = f"  [{i:{count}d}/{len(jobs)}] {job.variant.label:{label}s} {seconds:6.1f} s  ETA {_duration(left)}"
+        if why is not None:
+            failed[job.variant.label] = why
+            line += "  FAILED"
+            print(f"{PROG}: {job.variant.label}: {why}", file=sys.stderr)
+        elif job.ptx is not None:
+            line += f"  -> {job.ptx}"
+        print(line, flush=True)
+
+    if workers <= 1 or not disk_cache_enabled():
+        for i, job in enumerate(jobs, 1):
+            done(i, job, *build_job(job))
+        return failed
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=init_worker, initargs=(arch,)) as pool:
+        futures = {pool.submit(build_job, job): job for job in jobs}
+        for i, future in enumerate(as_completed(futures), 1):
+            done(i, futures[future], *future.result())
+    return failed
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replayssm_cute.precompile", description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model registry name")
     parser.add_argument("--arch", choices=["sm_90a", "sm_100a", "sm_103a"],
-                        help="target (default: $CUTE_DSL_ARCH, else the current GPU)")
+                        help="target (default: $CUTE_DSL_ARCH, else the visible GPU's)")
+    parser.add_argument("--device-name", metavar="NAME",
+                        help="the GPU the kernels are for, as torch.cuda.get_device_name() says it, e.g. "
+                             "\"NVIDIA H200\": its tuned launch configs are built (default: the visible GPU; "
+                             "without one, the defaults and those of every device with tuned configs)")
     parser.add_argument("--window", type=int, default=16, help="ReplaySSM window L (default 16)")
     parser.add_argument("--dtypes", default="bf16", help="activation dtypes, comma separated")
     parser.add_argument("--with-z", action="store_true",
@@ -379,6 +528,9 @@ def main(argv=None) -> int:
     parser.add_argument("--read-copies", metavar="F1,F2,...", default="",
                         help=f"also the decode kernels of caches with these read copies ({', '.join(READ_COPIES)})")
     parser.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's PTX into DIR")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="compile worker processes (default min(16, CPUs)); 1: one kernel after "
+                             "another in this process")
     args = parser.parse_args(argv)
 
     from .models import get_model
@@ -400,6 +552,10 @@ def main(argv=None) -> int:
     if not 2 <= args.window <= 32:
         parser.error("--window must be in 2..32 (window 1 is the conventional kernel, always built; "
                      "the kernel keeps one record per lane)")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.device_name is not None and not args.device_name.strip():
+        parser.error("--device-name: expected a GPU name such as \"NVIDIA H200\", got an empty one")
     drafts = None
     if args.drafts is not None:
         drafts, reason = parse_drafts(args.drafts)
@@ -408,6 +564,10 @@ def main(argv=None) -> int:
     reason = _option_error(model, args.with_z, args.window, drafts)
     if reason is not None:
         parser.error(reason)
+    if args.dump_ptx is not None:
+        reason = path_error(args.dump_ptx, folder=True)
+        if reason is not None:
+            parser.error(f"--dump-ptx: {reason}")
     if args.arch:
         if "cutlass" in sys.modules and os.environ.get("CUTE_DSL_ARCH") != args.arch:
             raise RuntimeError("--arch must be chosen before cutlass is imported")
@@ -415,32 +575,34 @@ def main(argv=None) -> int:
 
     from .compile_cache import target_arch
 
-    arch = target_arch()
+    try:
+        arch = target_arch()
+    except RuntimeError as e:  # no GPU and no CUTE_DSL_ARCH, an unsupported GPU, or a bad CUTE_DSL_ARCH
+        parser.error(f"--arch: not given and none to default to ({e}); give sm_90a, sm_100a or sm_103a")
+    platforms = target_platforms(args.device_name, arch)
     layer = model.layer
-    jobs = [(label, lambda s=shape, c=cfg: compile_variant(layer, s, c),
-             lambda path, s=shape, c=cfg: dump_ptx(layer, s, c, path))
-            for label, shape, cfg in variants(model, args.window, dtypes, with_z=args.with_z)
-            + read_copy_variants(model, args.window, dtypes, read_copies)]
+    spec = [DraftVariant(label, "decode", shape, cfg, 0)
+            for label, shape, cfg in variants(model, args.window, dtypes, args.with_z, platforms)
+            + read_copy_variants(model, args.window, dtypes, read_copies, platforms=platforms)]
     if drafts is not None:
         try:
-            spec = [v for r in [None] + read_copies
-                    for v in draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z, read_copy=r)]
+            spec += [v for r in [None] + read_copies
+                     for v in draft_variants(model, args.window, drafts, dtypes, with_z=args.with_z, read_copy=r,
+                                             platforms=platforms)]
         except ValueError as e:
             parser.error(str(e))
-        jobs += [(v.label, lambda v=v: compile_draft_variant(layer, v),
-                  lambda path, v=v: dump_draft_ptx(layer, v, path)) for v in spec]
+    ptx_dir = None if args.dump_ptx is None else Path(args.dump_ptx)
+    jobs = [BuildJob(layer, v, None if ptx_dir is None else ptx_dir / f"{v.label}.{arch}.ptx") for v in spec]
     print(f"precompile {model.name} for {arch}: {len(jobs)} kernels")
-    if args.dump_ptx:
-        Path(args.dump_ptx).mkdir(parents=True, exist_ok=True)
-    for label, build, ptx in jobs:
-        t0 = time.perf_counter()
-        build()
-        line = f"  {label:44s} {time.perf_counter() - t0:6.1f} s"
-        if args.dump_ptx:
-            path = Path(args.dump_ptx) / f"{label}.{arch}.ptx"
-            ptx(path)
-            line += f"  -> {path}"
-        print(line, flush=True)
+    print(_platforms_line(platforms), flush=True)
+    if ptx_dir is not None:
+        ptx_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    failed = build_all(jobs, args.workers, arch)
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(jobs)} kernels did not compile: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"{len(jobs)} kernels built or loaded in {_duration(time.perf_counter() - t0)}")
     return 0
 
 

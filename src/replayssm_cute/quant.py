@@ -1,6 +1,6 @@
 """Low-precision state formats and their rounding: a plain-PyTorch reference.
 
-docs/replayssm.md section 5: a read copy in fp16, fp8 or nvfp4 and a recurrence checkpoint in
+docs/design.md section 5: a read copy in fp16, fp8 or nvfp4 and a recurrence checkpoint in
 fp16 or fp8, each cast from the fp32 state a flush rebuilds.
 
 The kernels that write the read copy (round-to-nearest, RTN) and a low-precision recurrence

@@ -4,7 +4,7 @@ Written for clarity, not speed. Every function computes in float64 on the device
 its inputs and returns float64 results (``mamba2_decode_cache_`` writes into the
 cache and into ``out`` in their own dtypes).
 
-Conventions (docs/replayssm.md, sections 2 and 3)
+Conventions (docs/design.md, sections 2 and 3)
 --------------------------------------------------
 Shapes, with ``b`` = batch rows, ``H`` = heads, ``P`` = headdim (d_v), ``N`` = dstate
 (d_k), ``G`` = groups and ``h`` = number of ring records:
@@ -32,7 +32,7 @@ which never forms S. Window L == 1 is conventional decoding (every step flushes)
 
 Cache-level semantics (``mamba2_decode_cache_``) are documented on that function.
 
-Gated DeltaNet (``gdn_*``; docs/replayssm.md, sections 2 and 3) uses ``HV`` value heads of
+Gated DeltaNet (``gdn_*``; docs/design.md, sections 2 and 3) uses ``HV`` value heads of
 size ``V``, ``H`` key heads of size ``K`` and value head ``hv`` reads key head
 ``hv // (HV // H)``:
 
@@ -273,12 +273,15 @@ def _decode_rows_(state: _StateAccess, cache, slot_ids, nrows: int, per: str, ou
 
 def _materialize(cache, slot_ids, state_shape: tuple, replay) -> Tensor:
     """Float64 (n, *state_shape): for each named slot, ``replay(checkpoint, slot, h)`` from the
-    checkpoint a flush reads (``_state_access``). Slot ids must lie in [0, num_slots); h ==
-    window is admitted with draft room."""
+    checkpoint a flush reads (``_state_access``); a row naming the pad sentinel is skipped, as
+    decode skips it, and stays zero. Other slot ids must lie in [0, num_slots); h == window is
+    admitted with draft room."""
     state = _state_access(cache)
     ids = _slot_list(slot_ids)
-    out = torch.empty((len(ids),) + state_shape, dtype=_F64, device=cache.checkpoint.device)
+    out = torch.zeros((len(ids),) + state_shape, dtype=_F64, device=cache.checkpoint.device)
     for i, s in enumerate(ids):
+        if s == cache.pad_slot_id:
+            continue
         if not 0 <= s < cache.num_slots:
             raise ValueError(f"slot id {s} is outside [0, num_slots={cache.num_slots})")
         h = _slot_cursor(cache, s, allow_full=_spec_room(cache))
@@ -539,9 +542,9 @@ def _mamba2_decode_(state: _StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, 
 
 def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
     """Current state of each named slot, float64 (n, H, P, N): checkpoint (decoded, for a
-    low-precision one) + replay of its committed records (read as stored). Slot ids must lie in
-    [0, num_slots). A cache with draft room (max_draft > 0) admits h == window (left by a
-    speculative commit)."""
+    low-precision one) + replay of its committed records (read as stored). Rows naming the pad
+    sentinel are zero; other slot ids must lie in [0, num_slots). ``A`` (H,). A cache with draft
+    room (max_draft > 0) admits h == window (left by a speculative commit)."""
     return _materialize(
         cache, slot_ids, (cache.nheads, cache.headdim, cache.dstate),
         lambda ckpt, s, h: mamba2_replay(ckpt, *_slot_records(cache, s, h), A),
@@ -861,8 +864,8 @@ def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:
     """Current state of each named GDN slot, float64 (n, HV, V, K): checkpoint (decoded, for a
     low-precision one) + its committed records, folded as the next flush will (corrections
     re-derived with ``flush_corrections == "rederive"``, else the cached ones, read as stored).
-    Slot ids must lie in [0, num_slots). A cache with draft room (max_draft > 0) admits h ==
-    window (left by a speculative commit)."""
+    Rows naming the pad sentinel are zero; other slot ids must lie in [0, num_slots). A cache
+    with draft room (max_draft > 0) admits h == window (left by a speculative commit)."""
 
     def replay(ckpt, s, h):
         if _rederive(cache):

@@ -1,4 +1,4 @@
-"""Float64 reference for decoding on low-precision caches (docs/replayssm.md section 5; paper
+"""Float64 reference for decoding on low-precision caches (docs/design.md section 5; paper
 Section 6, Algorithms 3 and 6, Appendices B.4 and E.4.1), Mamba-2 and Gated DeltaNet.
 
 Written for clarity, not speed. Arithmetic is float64 as in ``reference``; a value is rounded

@@ -1,4 +1,4 @@
-"""Float64 reference for speculative verification (docs/replayssm.md section 4; paper
+"""Float64 reference for speculative verification (docs/design.md section 4; paper
 Algorithms 2 and 5, Eq. 6, 10 and 11), Mamba-2 and Gated DeltaNet.
 
 Written for clarity, not speed; every function computes in float64. Layer conventions,

@@ -6,7 +6,7 @@
     python -m replayssm_cute.tune --shape mamba2:128,64,128,8 ...     # explicit layer dims
     python -m replayssm_cute.tune --model nemotron-super --read-copies fp16,fp8,nvfp4 --modes standard,verify
 
---model takes the registry names of replayssm_cute.models (replayssm.md section 7), several
+--model takes the registry names of replayssm_cute.models (docs/design.md section 7), several
 separated by commas; --shape takes explicit dims instead: mamba2:H,P,N,G (heads, headdim,
 dstate, groups) or gdn:HV,V,K,H (value heads, V, K, key heads). Modes: conventional (the
 window-1 step), standard (ReplaySSM decode at --window) and verify (verify + commit of T
@@ -24,7 +24,7 @@ For each kernel, activation dtype and batch bucket:
    whole cursor cycles of verify + commit at a = 1 and a = T drafts accepted) from the same
    state as the default config; one whose outputs or final state differ from the default's is
    rejected.
-3. timing as shared/docs/performance.md asks: median over CUDA-graph replays of whole windows
+3. timing as docs/benchmarking.md describes: median over CUDA-graph replays of whole windows
    (verify: whole cursor cycles, the mean of a = 1 and a = T) over a pool that rotates through
    --pool-mb MiB of slots, so every step streams its checkpoint from HBM. Every candidate gets
    SCREEN_REPLAYS replays; the FINALISTS fastest and the default are timed again with
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .models import MODELS, ModelSpec, get_model
-from .precompile import config_label
+from .precompile import config_label, path_error
 from .tuning import BATCH_BUCKETS, MODES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
@@ -149,13 +149,18 @@ class TuneTarget:
             return kh.default_gdn_config(P, batch, self.window, self.shape(), whole_head)
         return kh.default_mamba2_config(P, batch, self.window, whole_head, self.shape())
 
-    def candidates(self) -> list:
-        """The layer config class's space (kernels/config_space.py) that the kernel takes."""
+    def candidates(self, space: str = "full") -> list:
+        """The layer config class's space (kernels/config_space.py) that the kernel takes; with
+        `space` "compact", for decode modes only the part where the H200 winners lie
+        (``in_compact_space``)."""
         if self.model.layer == "gdn":
             from .kernels.gdn.decode import GDNConfig as Config
         else:
             from .kernels.mamba2.decode import Mamba2Config as Config
-        return [c for c in Config.space(self.model.headdim) if self.check(c) is None]
+        configs = [c for c in Config.space(self.model.headdim) if self.check(c) is None]
+        if space == "compact" and self.mode != "verify":
+            configs = [c for c in configs if in_compact_space(c, self.read_copy is not None)]
+        return configs
 
     def compile(self, config):
         """Build (or load) the kernel at `config` through the calls decode / verify make, so
@@ -185,6 +190,18 @@ class TuneTarget:
         if self.read_copy is not None:
             return read_ideal_bytes(self.model, batch, self.window, self.read_copy)["window_mean"]
         return ideal_bytes(self.model, batch, self.window)["conventional" if self.window == 1 else "window_mean"]
+
+
+def in_compact_space(config, light: bool) -> bool:
+    """The decode configs worth timing when every batch bucket of many kernels is tuned in one
+    run (--space compact, about half the full space): 2, 4 or 8 warps of 2-20 rows each, and
+    register caps for none, 2, 4 or 6 CTAs per SM (8 too for the `light` read-copy tiles, whose
+    small shared memory lets that many in). Of the 22 decode winners of the full-space H200 runs
+    shipped before it, all but one lie in it (Nemotron-Nano-4B's conventional step at batch 1,
+    (20, 5, 4), 1.2% faster than the default)."""
+    caps = (0, 2, 4, 6, 8) if light else (0, 2, 4, 6)
+    return (config.num_warps in (2, 4, 8) and 2 <= config.rows_per_cta // config.num_warps <= 20
+            and config.min_ctas_per_sm in caps)
 
 
 @dataclass(frozen=True)
@@ -481,6 +498,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pool-mb", type=int, default=512,
                         help="slot pool per rotation in MiB (default 512, far above L2 so that every step "
                              "streams its checkpoint from HBM; smaller only for quick checks)")
+    parser.add_argument("--space", choices=("full", "compact"), default="full",
+                        help="decode launch configs to time: the whole space, or compact: the part where "
+                             "measured winners lie (for tuning many kernels x buckets in one run)")
     parser.add_argument("--compile-only", action="store_true",
                         help="only build the candidate kernels into the compile cache (no GPU needed with "
                              "CUTE_DSL_ARCH set), then exit")
@@ -588,15 +608,20 @@ def main(argv=None) -> int:
     from . import tuning
 
     out = args.out or tuning.user_file()
-    try:
-        tuning.read_entries(out)  # a file the winners cannot be merged into fails now, not after tuning
-    except (OSError, ValueError) as e:
-        print(f"{PROG}: --out: {e}", file=sys.stderr)
-        return 1
+    # a file the winners cannot be written to or merged into fails now, not after tuning
+    reason = path_error(out)
+    if reason is None:
+        try:
+            tuning.read_entries(out)
+        except (OSError, ValueError) as e:
+            reason = str(e)
+    if reason is not None:
+        print(f"{PROG}: error: --out: {reason}", file=sys.stderr)
+        return 2
 
     candidates = {}
     for t in args.targets:
-        configs = t.candidates()
+        configs = t.candidates(args.space)
         defaults = {t.default_config(b) for b in args.batches}
         for d in defaults:
             reason = t.check(d)

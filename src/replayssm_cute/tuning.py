@@ -40,6 +40,7 @@ bucket, so it costs nothing per call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -48,6 +49,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
+
+from .kernels.config_space import LAUNCH_FIELDS, launch_check
 
 FORMAT = "replayssm_cute-tuned-v1"
 ENV_DISABLE = "REPLAYSSM_CUTE_TUNED"
@@ -167,6 +170,33 @@ def current_platform() -> Optional[Platform]:
     return Platform(torch.cuda.get_device_name(), target_arch(), __version__, _cutlass_version())
 
 
+_platform_override: Optional[Tuple[Optional[Platform]]] = None  # (platform,) inside use_platform
+
+
+def active_platform() -> Optional[Platform]:
+    """The platform whose tuned configs decode and verify pick: that of the innermost
+    ``use_platform``, else this process's (``current_platform``)."""
+    return _platform_override[0] if _platform_override is not None else current_platform()
+
+
+@contextlib.contextmanager
+def use_platform(platform: Optional[Platform]):
+    """Within it, decode and verify look tuned configs up as on `platform` (None: as without a
+    GPU, the analytical defaults) instead of this process's GPU: precompile builds what another
+    device will pick, tests fake a device. kernels_host's memoised picks are dropped on entry and
+    on exit, as they were picked for another platform."""
+    global _platform_override
+    from . import kernels_host
+
+    outer, _platform_override = _platform_override, (platform,)
+    kernels_host.forget_picked_configs()
+    try:
+        yield
+    finally:
+        _platform_override = outer
+        kernels_host.forget_picked_configs()
+
+
 def user_file() -> Path:
     """The user's tuned-config file: $REPLAYSSM_CUTE_TUNED_FILE, else tuned.json in the compile
     cache folder."""
@@ -188,6 +218,13 @@ def source_files() -> List[Path]:
 
 
 # ------------------------------------------------------------------------------------- the file
+
+
+def _warn_once(message: str) -> None:
+    """A RuntimeWarning, once per process: the lookup reads the files again after every reload."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _int_field(entry: dict, name: str) -> int:
@@ -219,8 +256,13 @@ def parse_entry(entry) -> Tuple[TuneKey, int, dict]:
     if batch not in BATCH_BUCKETS:
         raise ValueError(f"entry field 'batch': expected a power of two up to {MAX_BATCH_BUCKET}, got {batch}")
     config = entry.get("config")
-    if not isinstance(config, dict) or not config or any(type(v) is not int for v in config.values()):
+    if not isinstance(config, dict) or any(type(v) is not int for v in config.values()):
         raise ValueError(f"entry field 'config': expected an object of integer launch parameters, got {config!r}")
+    if not set(LAUNCH_FIELDS) <= set(config):
+        raise ValueError(f"entry field 'config': expected integer {', '.join(LAUNCH_FIELDS)}, got {config!r}")
+    reason = launch_check(*(config[name] for name in LAUNCH_FIELDS))
+    if reason is not None:  # no kernel takes it: every decode at its bucket would fail
+        raise ValueError(f"entry field 'config': {reason}")
     state = entry.get("state", PLAIN_STATE)
     if not isinstance(state, str):
         raise ValueError(f"entry field 'state': expected a string, got {state!r}")
@@ -230,25 +272,29 @@ def parse_entry(entry) -> Tuple[TuneKey, int, dict]:
 
 
 def read_entries(path: Path) -> List[dict]:
-    """The entries of the tuned-config file at `path` ([] if it does not exist); ValueError
-    naming the file and what is wrong when it is not one."""
+    """The good entries of the tuned-config file at `path` ([] if it does not exist), each bad
+    one left out with a warning naming the file, its index and the field at fault; ValueError
+    naming the file and what is wrong when it is not a tuned-config file at all."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes()
     except FileNotFoundError:
         return []
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested deeper than the parser goes
         raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
         raise ValueError(f"{path}: expected a tuned-config file, an object with \"format\": {FORMAT!r} and "
                          f"a list of \"entries\"")
+    entries = []
     for i, entry in enumerate(data["entries"]):
         try:
             parse_entry(entry)
         except ValueError as e:
-            raise ValueError(f"{path}: entry {i}: {e}") from None
-    return data["entries"]
+            _warn_once(f"tuned configs: ignoring entry {i} of {path}: {e}")
+            continue
+        entries.append(entry)
+    return entries
 
 
 def _entry_id(entry: dict) -> tuple:
@@ -258,8 +304,9 @@ def _entry_id(entry: dict) -> tuple:
 
 def write_entries(path: Path, entries: Iterable[dict]) -> List[dict]:
     """Merge `entries` into the file at `path` (created with its folder if need be; an entry
-    with the key of one already there replaces it) and write it atomically, sorted by key;
-    returns every entry now in the file."""
+    with the key of one already there replaces it; its bad entries are dropped, with
+    ``read_entries``' warnings) and write it atomically, sorted by key; returns every entry now
+    in the file. ValueError if one of `entries` is bad."""
     path = Path(path)
     merged = {_entry_id(e): e for e in read_entries(path)}
     merged.update({_entry_id(e): e for e in entries})
@@ -281,16 +328,15 @@ def write_entries(path: Path, entries: Iterable[dict]) -> List[dict]:
 
 
 def _load_table() -> Dict[TuneKey, Dict[int, dict]]:
-    """key -> {bucket: config fields} over source_files(); a file that cannot be read is skipped
-    with one warning (decode must not fail over a cache file)."""
+    """key -> {bucket: config fields} over source_files(); a file that cannot be read is skipped,
+    and so is each bad entry of one that can, with one warning each (decode must not fail over a
+    cache file)."""
     table: Dict[TuneKey, Dict[int, dict]] = {}
     for path in source_files():
         try:
             entries = read_entries(path)
         except (OSError, ValueError) as e:
-            if str(path) not in _warned:
-                _warned.add(str(path))
-                warnings.warn(f"tuned configs: ignoring {path}: {e}", RuntimeWarning, stacklevel=4)
+            _warn_once(f"tuned configs: ignoring {path}: {e}")
             continue
         for entry in entries:
             key, batch, config = parse_entry(entry)
@@ -308,19 +354,28 @@ def reload() -> None:
     kernels_host.forget_picked_configs()
 
 
-def tuned_fields(kernel: str, shape, num_drafts: int, bucket: int) -> Optional[dict]:
-    """The tuned launch-config fields for `kernel` on `shape` with `num_drafts` drafts at batch
-    bucket `bucket` on this platform (see the module docstring), or None: tuning turned off, no
-    GPU, or nothing tuned near that bucket."""
+def _loaded_table() -> Dict[TuneKey, Dict[int, dict]]:
     global _table
-    if not tuned_enabled():
-        return None
-    platform = current_platform()
-    if platform is None:
-        return None
     if _table is None:
         _table = _load_table()
-    buckets = _table.get(tune_key(kernel, shape, num_drafts, platform))
+    return _table
+
+
+def tuned_devices() -> List[str]:
+    """The devices the tuned-config files hold entries for, sorted."""
+    return sorted({key.device for key in _loaded_table()})
+
+
+def tuned_fields(kernel: str, shape, num_drafts: int, bucket: int) -> Optional[dict]:
+    """The tuned launch-config fields for `kernel` on `shape` with `num_drafts` drafts at batch
+    bucket `bucket` on the active platform (``active_platform``; see the module docstring), or
+    None: tuning turned off, no GPU, or nothing tuned near that bucket."""
+    if not tuned_enabled():
+        return None
+    platform = active_platform()
+    if platform is None:
+        return None
+    buckets = _loaded_table().get(tune_key(kernel, shape, num_drafts, platform))
     if not buckets:
         return None
     nearest = nearest_bucket(buckets, bucket)
