@@ -272,7 +272,7 @@ def test_entry_without_a_content_hash_is_rebuilt(tmp_path, monkeypatch):
     fresh = _fresh_entry_bytes(tmp_path, monkeypatch)
     path = cc.cache_path(tk.NAME, tk.KEY)
     path.parent.mkdir(parents=True)
-    tk.build().export_to_c(str(path), function_name=cc._symbol(tk.NAME, path.stem.split("-")[-1]))
+    tk.build().export_to_c(str(path), function_name=cc._symbol(tk.NAME, cc._digest(tk.NAME, tk.KEY)))
     built = []
     with pytest.warns(RuntimeWarning, match="could not load .*no content hash"):
         cc.get_compiled(tk.NAME, tk.KEY, lambda: built.append(1) or tk.build())

@@ -370,8 +370,12 @@ def test_tuned_entries_no_kernel_takes_leave_decode_on_the_default(compiled):
     tuning.user_file().write_text(json.dumps({"format": tuning.FORMAT, "entries": [
         {**_entry(64), **_config(0, 0, 0)}, {**_entry(256), **_config(64, 64, 0)},
         {**_entry(1024), **_config(32, 2, -3)}]}))
-    with pytest.warns(RuntimeWarning, match="ignoring entry 0 of .*rows_per_cta 0"):
+    with pytest.warns(RuntimeWarning) as record:
         kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, 50)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 3
+    for i, field in enumerate(("rows_per_cta 0", "num_warps 64", "min_ctas_per_sm -3")):
+        assert f"ignoring entry {i} of {tuning.user_file()}" in messages[i] and field in messages[i]
     assert compiled[-1] == kernels_host.default_mamba2_config(SUPER.headdim, 64, 16)
     for batch, bucket in ((200, 256), (600, 1024)):
         kernels_host.mamba2_decode_kernel(cache, torch.bfloat16, True, False, True, True, batch)

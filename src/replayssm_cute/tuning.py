@@ -25,7 +25,9 @@ optional inputs (D, z, dt_bias, pad sentinel, ...) are not part of the key: a tu
 checked against the exact kernel shape before use.
 
 Files, read once per process (``reload`` reads them again), later ones overriding earlier ones
-entry by entry: the shipped defaults, ``replayssm_cute/tuned/*.json`` (H200 measurements), then
+entry by entry (an entry that does not parse, or whose launch fields no kernel takes, is skipped
+with a warning naming the file, the entry and why; a file that is not a tuned-config file is
+skipped whole): the shipped defaults, ``replayssm_cute/tuned/*.json`` (H200 measurements), then
 the user file, ``$REPLAYSSM_CUTE_TUNED_FILE`` or else ``tuned.json`` in the compile-cache folder
 (``$REPLAYSSM_CUTE_CACHE_DIR``, default ``~/.cache/replayssm_cute``). ``REPLAYSSM_CUTE_TUNED=0``
 turns tuned configs off: every call takes the analytical default.
