@@ -1,4 +1,4 @@
-"""The speculative protocol and the argument rules of the public API, on CPU caches (issue 13).
+"""The speculative protocol and the argument rules of the public API, on CPU caches.
 
 * verify, then commit, then anything else: while a verify awaits its commit every other op on
   the cache (decode, verify, load_prefill, materialize, read_state) is refused and changes
