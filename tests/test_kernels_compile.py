@@ -37,7 +37,8 @@ CASES = ([(m, a) for a in ARCHS for m in MODELS]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "  mamba2_replay_L16_bf16_rows64_warps4             2.7 s  -> DIR/mamba2_...ptx"
-_LABEL = re.compile(r"^\s+\[\s*\d+/\d+\] ((?:mamba2|gdn)_\S+)\s+([0-9.]+) s  ETA \S+(?:\s+-> (\S+))?\s*$")
+# precompile's "[i/n] label  1.2 s  ETA 3s" lines, and the draft / snapshot children's "label  1.2 s"
+_LABEL = re.compile(r"^\s+(?:\[\s*\d+/\d+\] )?((?:mamba2|gdn)_\S+)\s+([0-9.]+) s(?:\s+ETA \S+)?(?:\s+-> (\S+))?\s*$")
 _HEADER = re.compile(r"^precompile (\S+) for (\S+): (\d+) kernels$")
 _SPILL = re.compile(r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,\s+(\d+)\s+bytes\s+spill\s+loads")
 

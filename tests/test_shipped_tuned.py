@@ -45,6 +45,10 @@ def test_every_batch_bucket_of_every_registry_model_is_tuned(name, mode):
     # 9B-v2's conventional step at 1024: the same crash stopped the run after bucket 512
     if name == "nemotron-nano-9b-v2" and mode == "conventional":
         assert missing == [1024]
+    elif _dims(model) == _dims(MODELS["nemotron-super"]) and mode == "standard":
+        # its batch-8 winner, (64, 8, 4), spills 20 bytes at sm_90a (a 64-register cap) and was
+        # dropped: the batch-4 entry (64, 4, 4) serves batch 8
+        assert missing == [8]
     else:
         assert not missing, f"{name} {mode}: no tuned entry at batch {missing}"
 
