@@ -142,7 +142,8 @@ def _check_config(cache, config) -> None:
 
 def _dispatch(op: str, cache, mamba2_fn, gdn_fn, args, kwargs):
     """``op`` on ``cache``: its Mamba-2 or GDN implementation, once no verify awaits its commit
-    there (the protocol: verify, then commit, then anything else)."""
+    there (the protocol: verify, then commit, then anything else) and ``config`` (keyword-only
+    in every op) is None or the layer's launch config."""
     if isinstance(cache, Mamba2Cache):
         fn = mamba2_fn
     elif isinstance(cache, GDNCache):
@@ -150,6 +151,7 @@ def _dispatch(op: str, cache, mamba2_fn, gdn_fn, args, kwargs):
     else:
         raise TypeError(f"{op}: argument 'cache': expected a Mamba2Cache or a GDNCache, got {type(cache).__name__}")
     cache._refuse_while_verify_pending(op)
+    _check_config(cache, kwargs.get("config"))
     return _named(op, fn, cache, *args, **kwargs)
 
 
@@ -249,7 +251,6 @@ def _decode_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
                    out=None, *, config=None):
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=False)
-    _check_config(cache, config)
     b = x.shape[0]
     device = cache.checkpoint.device
     if b == 0:
@@ -387,7 +388,6 @@ def _verify_mamba2(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None
         z, out = (_unpack_tokens(n, t, bsz, T, optional=True) for n, t in (("z", z), ("out", out)))
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
-    _check_config(cache, config)
     b, T = x.shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("x", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
@@ -580,7 +580,6 @@ def _decode_gdn(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bi
                 *, scale=None, out=None, mixed_qkv=None, config=None):
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixed_qkv, drafts=False)
-    _check_config(cache, config)
     bsz = v.shape[0]
     device = cache.checkpoint.device
     if bsz == 0:
@@ -611,7 +610,6 @@ def _verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, o
         out = _unpack_tokens("out", out, bsz, T, optional=True)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
-    _check_config(cache, config)
     bsz, T = v.shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
         _fail("v", f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
@@ -677,7 +675,6 @@ def _snapshot_verify_mamba2(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, 
     _check_conventional(cache)
     x, dt, A, B, C, slot_ids, D, z, dt_bias, out = _mamba2_inputs(
         cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, drafts=True)
-    _check_config(cache, config)
 
     def reference():
         from .reference_spec import mamba2_snapshot_verify_cache_
@@ -700,7 +697,6 @@ def _snapshot_verify_gdn(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapsho
     _check_conventional(cache)
     q, k, v, a, b, A_log, dt_bias, slot_ids, out = _gdn_inputs(
         cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, None, drafts=True)
-    _check_config(cache, config)
 
     def reference():
         from .reference_spec import gdn_snapshot_verify_cache_

@@ -158,17 +158,55 @@ def _whole_head(cache) -> bool:
     return "nvfp4" in (cache.checkpoint_format, cache.read_copy_format)
 
 
+def _launch_choice(kernel: str, cache, inputs: tuple, num_drafts: int, bucket: int):
+    """(make_shape, default_config, check) of `kernel` (a tuning.KERNELS name) on `cache`: the
+    static shape from the call's `inputs` (Mamba-2: dt_dtype, has_D, has_z, has_dt_bias,
+    dt_softplus; GDN: gate_dtype, A_log_dtype, dt_bias_dtype, scale), the analytical default at
+    batch bucket `bucket` for a shape, and the kernel's check of (shape, config) with T =
+    `num_drafts`. One place for the choice that the kernel lookups and ``picked_config`` make."""
+    layer, step = kernel.split("_")
+    whole_head = _whole_head(cache)
+    if layer == "mamba2":
+        def make_shape():
+            return _mamba2_cache_shape(cache, *inputs)
+        if step == "decode":
+            def default_config(shape):
+                return default_mamba2_config(cache.headdim, bucket, cache.window, whole_head, shape)
+        else:
+            def default_config(shape):
+                return default_mamba2_verify_config(cache.headdim, bucket, whole_head)
+    else:
+        def make_shape():
+            return _gdn_cache_shape(cache, *inputs)
+        if step == "decode":
+            def default_config(shape):
+                return default_gdn_config(cache.head_v_dim, bucket, cache.window, shape, whole_head)
+        else:
+            def default_config(shape):
+                return default_gdn_verify_config(cache.head_v_dim, bucket, whole_head)
+    if step == "decode":
+        def check(shape, cfg):
+            return cfg.check(shape)
+    else:
+        if layer == "mamba2":
+            from .kernels.mamba2.verify import Mamba2Verify as Verify
+        else:
+            from .kernels.gdn.verify import GDNVerify as Verify
+
+        def check(shape, cfg):
+            return Verify.check(shape, cfg, num_drafts)
+    return make_shape, default_config, check
+
+
 def mamba2_decode_kernel(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable for one decode step of `cache` (memoised on a tensor-free tuple)."""
     bucket = batch_bucket(batch)
     fast_key = (cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window,
                 cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus,
                 cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format, bucket, config)
+    inputs = (dt_dtype, has_D, has_z, has_dt_bias, dt_softplus)
     return _cached_kernel(
-        "decode", fast_key, config,
-        lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_config(cache.headdim, bucket, cache.window, _whole_head(cache), shape),
-        lambda shape, cfg: cfg.check(shape),
+        "decode", fast_key, config, *_launch_choice("mamba2_decode", cache, inputs, 0, bucket),
         lambda shape, cfg: compile_mamba2(shape, cfg),
         ("mamba2_decode", 0, bucket))
 
@@ -240,28 +278,24 @@ def gdn_decode_kernel(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batc
                 cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype, dt_bias_dtype,
                 scale, cache.keep_v_beta, cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format,
                 _rederives(cache), bucket, config)
+    inputs = (gate_dtype, A_log_dtype, dt_bias_dtype, scale)
     return _cached_kernel(
-        "decode", fast_key, config,
-        lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_config(cache.head_v_dim, bucket, cache.window, shape, _whole_head(cache)),
-        lambda shape, cfg: cfg.check(shape),
+        "decode", fast_key, config, *_launch_choice("gdn_decode", cache, inputs, 0, bucket),
         lambda shape, cfg: compile_gdn(shape, cfg),
         ("gdn_decode", 0, bucket))
 
 
 def mamba2_verify_kernel(cache, num_drafts, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus, batch, config=None):
     """The callable for one verify step of `num_drafts` drafts on a Mamba-2 `cache` (memoised)."""
-    from .kernels.mamba2.verify import Mamba2Verify, compile_verify
+    from .kernels.mamba2.verify import compile_verify
 
     bucket = batch_bucket(batch)
     fast_key = ("mamba2_verify", num_drafts, cache.nheads, cache.headdim, cache.dstate, cache.ngroups,
                 cache.window, cache.capacity, cache.dtype, dt_dtype, has_D, has_z, has_dt_bias,
                 dt_softplus, cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format, bucket, config)
+    inputs = (dt_dtype, has_D, has_z, has_dt_bias, dt_softplus)
     return _cached_kernel(
-        "verify", fast_key, config,
-        lambda: _mamba2_cache_shape(cache, dt_dtype, has_D, has_z, has_dt_bias, dt_softplus),
-        lambda shape: default_mamba2_verify_config(cache.headdim, bucket, _whole_head(cache)),
-        lambda shape, cfg: Mamba2Verify.check(shape, cfg, num_drafts),
+        "verify", fast_key, config, *_launch_choice("mamba2_verify", cache, inputs, num_drafts, bucket),
         lambda shape, cfg: _compiled("mamba2_verify", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_verify(shape, cfg, num_drafts, options)),
         ("mamba2_verify", num_drafts, bucket))
@@ -299,18 +333,16 @@ def commit_kernel(cache, num_drafts):
 
 def gdn_verify_kernel(cache, num_drafts, gate_dtype, A_log_dtype, dt_bias_dtype, scale, batch, config=None):
     """The callable for one verify step of `num_drafts` drafts on a GDN `cache` (memoised)."""
-    from .kernels.gdn.verify import GDNVerify, compile_verify
+    from .kernels.gdn.verify import compile_verify
 
     bucket = batch_bucket(batch)
     fast_key = ("gdn_verify", num_drafts, cache.num_v_heads, cache.head_v_dim, cache.head_k_dim,
                 cache.num_k_heads, cache.window, cache.capacity, cache.dtype, gate_dtype, A_log_dtype,
                 dt_bias_dtype, scale, cache.keep_v_beta, cache.pad_slot_id, cache.checkpoint_format,
                 cache.read_copy_format, _rederives(cache), bucket, config)
+    inputs = (gate_dtype, A_log_dtype, dt_bias_dtype, scale)
     return _cached_kernel(
-        "verify", fast_key, config,
-        lambda: _gdn_cache_shape(cache, gate_dtype, A_log_dtype, dt_bias_dtype, scale),
-        lambda shape: default_gdn_verify_config(cache.head_v_dim, bucket, _whole_head(cache)),
-        lambda shape, cfg: GDNVerify.check(shape, cfg, num_drafts),
+        "verify", fast_key, config, *_launch_choice("gdn_verify", cache, inputs, num_drafts, bucket),
         lambda shape, cfg: _compiled("gdn_verify", shape.key() + cfg.key() + (num_drafts,),
                                      lambda options: compile_verify(shape, cfg, num_drafts, options)),
         ("gdn_verify", num_drafts, bucket))
@@ -388,30 +420,14 @@ def picked_config(kernel: str, cache, batch: int, *inputs, num_drafts: int = 0):
     Mamba-2 (dt_dtype, has_D, has_z, has_dt_bias, dt_softplus), GDN (gate_dtype, A_log_dtype,
     dt_bias_dtype, scale). `num_drafts`: T for verify.
     """
-    bucket = batch_bucket(batch)
-    whole_head = _whole_head(cache)
-    if kernel == "mamba2_decode":
-        shape = _mamba2_cache_shape(cache, *inputs)
-        default = default_mamba2_config(cache.headdim, bucket, cache.window, whole_head, shape)
-        check, num_drafts = (lambda s, c: c.check(s)), 0
-    elif kernel == "gdn_decode":
-        shape = _gdn_cache_shape(cache, *inputs)
-        default = default_gdn_config(cache.head_v_dim, bucket, cache.window, shape, whole_head)
-        check, num_drafts = (lambda s, c: c.check(s)), 0
-    elif kernel == "mamba2_verify":
-        from .kernels.mamba2.verify import Mamba2Verify
-
-        shape = _mamba2_cache_shape(cache, *inputs)
-        default = default_mamba2_verify_config(cache.headdim, bucket, whole_head)
-        check = lambda s, c: Mamba2Verify.check(s, c, num_drafts)  # noqa: E731
-    elif kernel == "gdn_verify":
-        from .kernels.gdn.verify import GDNVerify
-
-        shape = _gdn_cache_shape(cache, *inputs)
-        default = default_gdn_verify_config(cache.head_v_dim, bucket, whole_head)
-        check = lambda s, c: GDNVerify.check(s, c, num_drafts)  # noqa: E731
-    else:
+    if kernel not in ("mamba2_decode", "gdn_decode", "mamba2_verify", "gdn_verify"):
         raise ValueError(f"picked_config: argument 'kernel': expected mamba2_decode, gdn_decode, "
                          f"mamba2_verify or gdn_verify, got {kernel!r}")
+    if kernel.endswith("_decode"):
+        num_drafts = 0
+    bucket = batch_bucket(batch)
+    make_shape, default_config, check = _launch_choice(kernel, cache, inputs, num_drafts, bucket)
+    shape = make_shape()
+    default = default_config(shape)
     picked = _tuned_or_default(default, shape, check, kernel, num_drafts, bucket)
     return picked, picked is not default

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .models import MODELS, ModelSpec, get_model
-from .precompile import config_label, path_error
+from .precompile import config_label, init_worker, path_error
 from .tuning import BATCH_BUCKETS, MODES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
@@ -271,12 +271,6 @@ class Progress:
 # ------------------------------------------------------------------------------------- compiling
 
 
-def _init_worker(arch: str) -> None:
-    from .compile_cache import ENV_ARCH
-
-    os.environ[ENV_ARCH] = arch  # before cutlass is imported: the workers never touch the GPU
-
-
 def _compile_job(job) -> Optional[str]:
     """Build one (target, config) into the compile cache; None, or why it failed."""
     target, config = job
@@ -306,7 +300,7 @@ def compile_candidates(jobs, workers: int, arch: str) -> Dict[tuple, str]:
             progress.advance(job[0].label)
         return failed
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=init_worker,
                              initargs=(arch,)) as pool:
         futures = {pool.submit(_compile_job, job): job for job in jobs}
         for future in as_completed(futures):
