@@ -176,8 +176,18 @@ def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
     return total
 
 
+def slot_rows(m: cute.Tensor, rows_per_slot: int, cols: int) -> cute.Tensor:
+    """A pool copy (slots, ..., cols) as rows ``((rows_per_slot, slots), cols)``, the view the TMA
+    loads read: a flat box index ``slot * rows_per_slot / box_rows + box`` addresses it. The slot
+    stays its own TMA coordinate: where a box spans whole rows (box_rows * cols <= 256), CuTe
+    merges rows and columns into one int32 coordinate (row * cols), which overflows, and faults
+    with an illegal instruction, once a pool holds over 2^31 elements."""
+    return cute.make_tensor(m.iterator, cute.make_layout(
+        ((rows_per_slot, m.shape[0]), cols), stride=((cols, rows_per_slot * cols), 1)))
+
+
 def make_row_tma(m_rows: cute.Tensor, box_rows: int, box_cols: int):
-    """TMA atom loading (box_rows, box_cols) boxes of a row-major 2-D gmem view.
+    """TMA atom loading (box_rows, box_cols) boxes of a row-major gmem view (``slot_rows``).
 
     Returns the atom and the TMA coordinate tensor tiled by boxes:
     ``(box_rows, box_cols, num_box_rows, num_box_cols)``.
@@ -224,7 +234,7 @@ def padded_tile_layout(rows: int, cols: int, stages: int):
 
 
 def make_padded_row_tma(m_rows: cute.Tensor, box_rows: int, cols: int):
-    """TMA atom loading (box_rows, cols) boxes of a row-major 2-D fp32 view into the padded
+    """TMA atom loading (box_rows, cols) boxes of a row-major fp32 view (``slot_rows``) into the padded
     tile of ``padded_tile_layout``: the box is TILE_PAD columns wider than the tensor, so TMA fills
     the padding with zeros (out of bounds) and reads nothing extra. Returns (atom, coordinate
     tensor) as ``make_row_tma``; a stage then holds box_rows * (cols + TILE_PAD) * 4 bytes."""

@@ -44,7 +44,8 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, ptx_op, start_tile_loads
+from .common import (f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, ptx_op, slot_rows,
+                     start_tile_loads)
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
@@ -468,8 +469,7 @@ def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, 
 def copy_rows_tma(m: cute.Tensor, cols: int, rows_per_slot: int, box_rows: int):
     """TMA atom and coordinates over a copy (slots, heads, rows, cols) viewed as (slots *
     rows_per_slot, cols) rows, so a box is ``box_rows`` consecutive state rows (one warp's)."""
-    return make_row_tma(cute.make_tensor(m.iterator, cute.make_layout(
-        (m.shape[0] * rows_per_slot, cols), stride=(cols, 1))), box_rows, cols)
+    return make_row_tma(slot_rows(m, rows_per_slot, cols), box_rows, cols)
 
 
 def entry_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, box_rows: int):
@@ -485,8 +485,7 @@ def work_tile_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per
     if copies.entry.low_precision:
         return entry_tma(copies, mCheckpoint, mRead, rows_per_slot, box_rows)
     K = copies.K
-    return make_padded_row_tma(cute.make_tensor(mCheckpoint.iterator, cute.make_layout(
-        (mCheckpoint.shape[0] * rows_per_slot, K), stride=(K, 1))), box_rows, K)
+    return make_padded_row_tma(slot_rows(mCheckpoint, rows_per_slot, K), box_rows, K)
 
 
 @cute.jit

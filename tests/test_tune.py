@@ -1,15 +1,20 @@
 """The autotuner on the CPU: config spaces and their validity filters, the tuned-config file (keys,
 round trip, merge), the lookup decode / verify make (buckets, fallbacks, overrides, the switch),
-the CLI's argument errors, its no-GPU message, and a compile-only run.
+the CLI's argument errors, its no-GPU message, a compile-only run, the ptxas spill check, and the
+timing processes (a candidate that faults the GPU is dropped, the run goes on).
 
 Timing needs a GPU: tests/test_tune_gpu.py tunes a small shape end to end.
 """
 
+import functools
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -551,8 +556,17 @@ def test_compile_only_builds_the_candidates(monkeypatch, tmp_path, capsys):
     # and the window-4 kernel
     assert "2 kernels x 2 batch buckets, 10 candidate launch configs for sm_90a" in out
     assert "10 kernels in the compile cache" in out
+    assert "dropped" not in out and "not checked" not in out  # every kernel compiled, ptxas reported no spills
     assert len(list((tmp_path / "cache").glob("mamba2_decode-*.o"))) == 10
     assert not tuning.user_file().exists()
+    # again: all loaded from the cache, so ptxas did not run
+    assert tune.main(argv) == 0
+    assert "10 candidates were in the compile cache already" in capsys.readouterr().out
+
+
+def _tune_in_this_process(target, batches, candidates, replays, rotation_bytes, progress):
+    """tune_target without its timing process, so that the tests' monkeypatches hold."""
+    return (tune.tune_one(target, b, candidates, replays, rotation_bytes, progress) for b in batches)
 
 
 def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
@@ -562,7 +576,8 @@ def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
     from replayssm_cute.perf import DecodePool
 
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
-    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: {})
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, 0))
+    monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
     monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
         self.model, batch, self.window, drafts=self.num_drafts, device="cpu", rotation_bytes=0,
         dtype=self.torch_dtype()))
@@ -606,7 +621,8 @@ def test_tuning_a_read_copy_kernel_on_a_cpu_pool(monkeypatch, capsys):
     from replayssm_cute.perf import DecodePool
 
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
-    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: {})
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, 0))
+    monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
     monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
         self.model, batch, self.window, device="cpu", rotation_bytes=0, dtype=self.torch_dtype(),
         read_copy=self.read_copy))
@@ -637,3 +653,124 @@ def test_out_file_that_cannot_take_the_winners_fails_before_tuning(monkeypatch, 
     assert tune.main(["--shape", "mamba2:2,16,32,1", "--batch", "2", "--out", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"--out: {bad}: expected a tuned-config file" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- spills and faults
+
+# What CuTe DSL prints with CUTE_DSL_COMPILER_OPT="remarks{ptx}" (shortened): a kernel without
+# spills, and one with, whose resource line wraps.
+CLEAN_REPORT = ("\x1b[96mremark[ptxas info]:\x1b[0m ptxas output: ptxas info    : 0 bytes gmem\n"
+                "ptxas info    : Function properties for kernel_cutlass_kernel_Mamba2Decode_0\n"
+                "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+                "ptxas info    : Used 36 registers, used 1 barriers\n\n\n"
+                "  --> kernels/mamba2/decode.py:176:0\n"
+                "   |\n"
+                "> 176 |     @cute.jit\n")
+SPILL_REPORT = ("\x1b[96mremark[ptxas]:\x1b[0m ptxas detected register spills\n\n"
+                "  --> kernels/mamba2/decode.py:267:15\n"
+                "  \x1b[96mremark:\x1b[0m Spilled values are placed in local memory.\n\n"
+                "          ptxas output:\n"
+                "          ptxas         .     24 bytes stack frame, 20 bytes spill stores, 24 bytes\n"
+                "          spill loads\n"
+                "          ptxas info    : Used 64 registers, used 1 barriers\n"
+                "  \x1b[92msuggestion:\x1b[0m reduce live ranges\n")
+WARNING = "kernels/mamba2/decode.py:3: UserWarning: something\n  warnings.warn(w)\n"
+
+
+def test_ptxas_report_finds_the_spills_and_leaves_the_rest():
+    assert tune.ptxas_report(CLEAN_REPORT) == ((0, 0, 0), "")
+    assert tune.ptxas_report(WARNING + SPILL_REPORT + CLEAN_REPORT + "done\n") == ((24, 20, 24), WARNING + "done\n")
+    assert tune.ptxas_report(WARNING) == (None, WARNING)  # nothing compiled
+
+
+def test_compile_job_drops_a_kernel_that_spills_and_restores_stderr(capfd):
+    """The report comes on file descriptor 2: a kernel that spills is dropped, one without a
+    report (loaded from the compile cache) is kept unchecked; whatever else was written there
+    shows, and fd 2 is the same file afterwards, after a failed compile too."""
+    def job(report, error=None):
+        def compile(config):
+            os.write(2, (WARNING + report).encode())
+            if error is not None:
+                raise error
+        return SimpleNamespace(compile=compile), Mamba2Config()
+
+    before = os.fstat(2)
+    assert tune._compile_job(job(SPILL_REPORT)) == ("spills 24 bytes (stack frame 24 bytes)", True)
+    assert tune._compile_job(job(CLEAN_REPORT)) == (None, True)
+    assert tune._compile_job(job("")) == (None, False)
+    assert tune._compile_job(job("", ValueError("bad tile"))) == ("ValueError: bad tile", False)
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    os.write(2, b"still stderr\n")
+    err = capfd.readouterr().err
+    assert err.count("UserWarning: something") == 4 and err.endswith("still stderr\n") and "ptxas" not in err
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What tune_target asks of a target: a label and the default config of a batch."""
+
+    label: str = "fake"
+
+    def default_config(self, batch):
+        return DEFAULT
+
+
+DEFAULT, WARPS1, WARPS2, ROWS8 = (Mamba2Config(16, 4, 0), Mamba2Config(16, 1, 0), Mamba2Config(16, 2, 0),
+                                  Mamba2Config(8, 1, 0))
+CONFIGS = [DEFAULT, WARPS1, WARPS2, ROWS8]
+
+
+def _fake_timing(faults, send, target, batches, candidates, replays, rotation_bytes):
+    """tune_target's `work` without a GPU: at each batch the default then the other candidates,
+    each named before it runs and a progress step after. At a config of `faults` ({config or
+    (batch, config): how}) the process dies ("exit"), or raises a launch's CUDA error ("cuda") or
+    another error ("bug")."""
+    for b in batches:
+        default = target.default_config(b)
+        configs = [default] + [c for c in candidates if c != default]
+        for c in configs:
+            send(("run", (b, c)))
+            fault = faults.get((b, c), faults.get(c))
+            if fault == "exit":
+                os._exit(3)
+            if fault in ("cuda", "bug"):
+                raise (RuntimeError("CUDA Error Code: 715") if fault == "cuda" else ValueError("a bug"))
+            send(("tick", b))
+        send(("result", tune.TuneResult(target, b, configs[-1], 1.0, default, 2.0, len(configs), {})))
+
+
+def _tune_target(faults, batches):
+    progress = tune.Progress("tune", len(CONFIGS) * len(batches), io.StringIO())
+    work = functools.partial(_fake_timing, faults)
+    results = list(tune.tune_target(_Target(), batches, CONFIGS, 5, 0, progress, work))
+    return results, progress.done
+
+
+def test_a_faulting_candidate_is_dropped_and_a_fresh_process_goes_on(capsys):
+    results, done = _tune_target({WARPS2: "exit", ROWS8: "cuda"}, [1, 2, 4])
+    assert capsys.readouterr().out.splitlines() == [
+        "  fake b=1 rows16_warps2: faulted (its process died, exit code 3), dropped",
+        "  fake b=1 rows8_warps1: faulted (CUDA Error Code: 715), dropped"]
+    assert [(r.batch, r.timed) for r in results] == [(1, 2), (2, 2), (4, 2)]  # the default and WARPS1
+    assert done == 12  # each batch's progress steps shown once
+
+
+def test_a_faulting_default_skips_its_batch(capsys):
+    results, done = _tune_target({(2, DEFAULT): "cuda"}, [1, 2, 4])
+    assert capsys.readouterr().out.splitlines() == [
+        "  fake b=2 rows16_warps4: faulted (CUDA Error Code: 715), the default config: batch skipped"]
+    assert [(r.batch, r.timed) for r in results] == [(1, 4), (4, 4)]
+    assert done == 12
+
+
+def test_restarts_are_bounded_and_other_errors_raised(monkeypatch, capsys):
+    monkeypatch.setattr(tune, "MAX_RESTARTS", 1)
+    results, done = _tune_target({WARPS1: "exit", WARPS2: "exit"}, [1, 2])
+    assert capsys.readouterr().out.splitlines() == [
+        "  fake b=1 rows16_warps1: faulted (its process died, exit code 3), dropped",
+        "  fake b=1 rows16_warps2: faulted (its process died, exit code 3), dropped",
+        "  fake: given up after 1 restarts on faults; batches 1, 2 not tuned"]
+    assert results == [] and done == 8
+    with pytest.raises(RuntimeError, match="fake: timing failed in its process:(.|\n)*ValueError: a bug"):
+        _tune_target({WARPS1: "bug"}, [1])

@@ -37,8 +37,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, smem_fit, snapshot_check,
-                      start_tile_loads, warp_reduce_many)
+from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
+                      snapshot_check, start_tile_loads, warp_reduce_many)
 from .common import gdn_gates, normalize_qk
 from .decode import GDNConfig, GDNShape
 
@@ -63,9 +63,7 @@ class GDNSnapshot(DraftStepKernel):
                  mSlot: cute.Tensor, mOut: cute.Tensor, mSnapshots: cute.Tensor, stream):
         s, c = self.shape, self.config
         HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator, cute.make_layout((mCheckpoint.shape[0] * (HV * V), K), stride=(K, 1)))
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, K)
+        tma_atom, mRowsTma = make_row_tma(slot_rows(mCheckpoint, HV * V, K), c.rows_per_warp, K)
         launch_tiles(self.kernel(tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
                                  mSnapshots),
                      [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)

@@ -31,8 +31,8 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, smem_fit, snapshot_check,
-                      softplus, start_tile_loads, warp_reduce_many)
+from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
+                      snapshot_check, softplus, start_tile_loads, warp_reduce_many)
 from .decode import Mamba2Config, Mamba2Shape
 
 
@@ -55,9 +55,7 @@ class Mamba2Snapshot(DraftStepKernel):
                  mSnapshots: cute.Tensor, stream):
         s, c = self.shape, self.config
         H, P, N = s.nheads, s.headdim, s.dstate
-        mRows = cute.make_tensor(
-            mCheckpoint.iterator, cute.make_layout((mCheckpoint.shape[0] * (H * P), N), stride=(N, 1)))
-        tma_atom, mRowsTma = make_row_tma(mRows, c.rows_per_warp, N)
+        tma_atom, mRowsTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), c.rows_per_warp, N)
         launch_tiles(self.kernel(tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
                                  mSnapshots),
                      [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)

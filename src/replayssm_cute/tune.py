@@ -19,7 +19,9 @@ For each kernel, activation dtype and batch bucket:
 1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
    the kernel's check takes (shared memory, register cap, divisibility), the analytical default
    among them. All are compiled first, in parallel worker processes (cute.compile is not
-   thread-safe), into the on-disk compile cache; one that fails to compile is dropped.
+   thread-safe), into the on-disk compile cache; one that fails to compile, or whose kernel
+   spills registers (ptxas's report), is dropped. A kernel already in the cache is not compiled,
+   so its spills go unchecked (a note says how many).
 2. each candidate runs a whole window on a small pool (ring positions 0..L-1, flush included;
    whole cursor cycles of verify + commit at a = 1 and a = T drafts accepted) from the same
    state as the default config; one whose outputs or final state differ from the default's is
@@ -29,6 +31,9 @@ For each kernel, activation dtype and batch bucket:
    --pool-mb MiB of slots, so every step streams its checkpoint from HBM. Every candidate gets
    SCREEN_REPLAYS replays; the FINALISTS fastest and the default are timed again with
    --replays; the fastest of those wins.
+Steps 2 and 3 run in a child process per kernel: a candidate that faults the GPU (which leaves
+the process's CUDA context unusable) is dropped, and a fresh child goes on from that batch
+bucket (a faulting default skips the bucket; after MAX_RESTARTS the kernel is given up).
 
 The winners, with their times, go to --out (default: the user's tuned-config file, see
 replayssm_cute.tuning), merged with what is there; decode and verify use them from then on,
@@ -41,13 +46,19 @@ and stops (no GPU needed with CUTE_DSL_ARCH set).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import multiprocessing
 import os
+import re
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Tuple
 
 from .models import MODELS, ModelSpec, get_model
 from .precompile import config_label, init_worker, path_error
@@ -64,6 +75,14 @@ FINALISTS = 4
 # (tilings differ in summation order only: a few ulps of a 16-bit output, far less in fp32).
 RTOL_16BIT = 1e-2
 RTOL_FP32 = 1e-4
+MAX_RESTARTS = 8  # timing processes started again after faults, per kernel, before it is given up
+ENV_COMPILER_OPT = "CUTE_DSL_COMPILER_OPT"
+PTXAS_REMARKS = "remarks{ptx}"  # has ptxas report each kernel's stack frame and spills
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# ptxas's resource line, which may wrap: "24 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads"
+_SPILLS = re.compile(r"(\d+)\s+bytes\s+stack\s+frame,\s+(\d+)\s+bytes\s+spill\s+stores,"
+                     r"\s+(\d+)\s+bytes\s+spill\s+loads")
+_CUDA_ERROR = re.compile(r"\bcuda[ _]?error", re.IGNORECASE)  # "CUDA error: ...", "CUDA Error Code: 715", cudaError...
 NO_GPU = ("{prog}: no CUDA GPU found (torch.cuda.is_available() is False); tuning times the kernels "
           "on the GPU it tunes for, so run it there. Until then decode and verify use the shipped "
           "tuned configs or the analytical defaults. Without a GPU, --compile-only (with "
@@ -271,45 +290,99 @@ class Progress:
 # ------------------------------------------------------------------------------------- compiling
 
 
-def _compile_job(job) -> Optional[str]:
-    """Build one (target, config) into the compile cache; None, or why it failed."""
-    target, config = job
+@contextlib.contextmanager
+def ptxas_reports():
+    """PTXAS_REMARKS added to CUTE_DSL_COMPILER_OPT for the block. CuTe DSL reads that once,
+    when cutlass is first imported: so this covers processes started in the block, and this one
+    if cutlass is not imported yet."""
+    old = os.environ.get(ENV_COMPILER_OPT)
+    os.environ[ENV_COMPILER_OPT] = f"{old or ''} {PTXAS_REMARKS}".strip()
     try:
-        target.compile(config)
-    except Exception as e:  # a candidate the compiler rejects is dropped, not fatal
-        return f"{type(e).__name__}: {e}"
-    return None
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_COMPILER_OPT]
+        else:
+            os.environ[ENV_COMPILER_OPT] = old
 
 
-def compile_candidates(jobs, workers: int, arch: str) -> Dict[tuple, str]:
+def ptxas_report(text: str) -> Tuple[Optional[Tuple[int, int, int]], str]:
+    """What a compile wrote to stderr, split: the worst (stack frame, spill stores, spill loads)
+    that ptxas reported, None without a report (nothing compiled); and the rest, without the
+    remark blocks: a "remark[ptxas" line and the lines after it that are blank, indented, ptxas's
+    or the marked line of the source excerpt ("> 176 |     @cute.jit")."""
+    text = _ANSI.sub("", text)
+    rest, in_remark = [], False
+    for line in text.splitlines(keepends=True):
+        in_remark = line.startswith("remark[ptxas") or (
+            in_remark and (not line.strip() or line[0].isspace() or line.startswith(("ptxas", "> "))))
+        if not in_remark:
+            rest.append(line)
+    reports = [tuple(int(v) for v in m.groups()) for m in _SPILLS.finditer(text)]
+    return max(reports, key=lambda r: r[1] + r[2], default=None), "".join(rest)
+
+
+@contextlib.contextmanager
+def _fd2_to(file):
+    """File descriptor 2 into `file` for the block: ptxas's report comes from native code."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _compile_job(job) -> Tuple[Optional[str], bool]:
+    """Build one (target, config) into the compile cache: (why it is dropped, or None; whether
+    its spills were checked). A kernel that fails to compile or spills registers is dropped; one
+    loaded from the cache was not compiled, so ptxas did not report on it."""
+    target, config = job
+    why = None
+    with tempfile.TemporaryFile() as log:
+        with _fd2_to(log):
+            try:
+                target.compile(config)
+            except Exception as e:  # a candidate the compiler rejects is dropped, not fatal
+                why = f"{type(e).__name__}: {e}"
+        log.seek(0)
+        report, rest = ptxas_report(log.read().decode(errors="replace"))
+    sys.stderr.write(rest)  # what else was said (warnings, errors) still shows
+    sys.stderr.flush()
+    if why is None and report is not None and (report[1] or report[2]):
+        why = f"spills {max(report[1:])} bytes (stack frame {report[0]} bytes)"
+    return why, report is not None
+
+
+def compile_candidates(jobs, workers: int, arch: str) -> Tuple[Dict[tuple, str], int]:
     """Build every (target, config) of `jobs`: in `workers` processes through the disk cache
-    (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1.
-    Returns {(target, config): why it failed} for those that did not compile."""
-    import multiprocessing
+    (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1. Their
+    spills are checked where ptxas reports them (``ptxas_reports``). Returns {(target, config):
+    why it is dropped} for those that did not compile or spill, and how many of the others went
+    unchecked (loaded from the compile cache)."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from .compile_cache import disk_cache_enabled
 
-    failed = {}
+    outcomes = {}
     progress = Progress(f"compile {len(jobs)} kernels for {arch}", len(jobs))
     if workers <= 1 or not disk_cache_enabled():
         for job in jobs:
-            why = _compile_job(job)
-            if why is not None:
-                failed[job] = why
+            outcomes[job] = _compile_job(job)
             progress.advance(job[0].label)
-        return failed
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=init_worker,
-                             initargs=(arch,)) as pool:
-        futures = {pool.submit(_compile_job, job): job for job in jobs}
-        for future in as_completed(futures):
-            job = futures[future]
-            why = future.result()
-            if why is not None:
-                failed[job] = why
-            progress.advance(job[0].label)
-    return failed
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=init_worker,
+                                 initargs=(arch,)) as pool:
+            futures = {pool.submit(_compile_job, job): job for job in jobs}
+            for future in as_completed(futures):
+                outcomes[futures[future]] = future.result()
+                progress.advance(futures[future][0].label)
+    dropped = {job: why for job, (why, _) in outcomes.items() if why is not None}
+    return dropped, sum(why is None and not checked for why, checked in outcomes.values())
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -401,14 +474,17 @@ def mismatch(got: list, want: list) -> Optional[str]:
     return None
 
 
-def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_bytes: int, progress) -> TuneResult:
+def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_bytes: int, progress,
+             watch=lambda config: None) -> TuneResult:
     """The fastest of `candidates` (the default config included) at `batch` whose outputs match
-    the default's; `progress` advances once per candidate."""
+    the default's; `progress` advances once per candidate, `watch(config)` is called before each
+    run of a config (``time_batches``)."""
     import torch
 
     default = target.default_config(batch)
     configs = [default] + [c for c in candidates if c != default]
     check = OutputCheck(target, batch)
+    watch(default)
     want = check.run(default)
     for w in want:
         if w.is_floating_point() and not torch.isfinite(w).all():
@@ -416,9 +492,11 @@ def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_
                                f"non-finite outputs")
     passed, rejected = [default], {}
     for c in configs[1:]:
+        watch(c)
         try:
             why = mismatch(check.run(c), want)
         except RuntimeError as e:  # e.g. too many resources requested for launch
+            torch.cuda.synchronize()  # raises after a fault (the context is lost): tune_target's case
             why = f"failed to run: {e}"
         if why is None:
             passed.append(c)
@@ -429,16 +507,114 @@ def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_
     pool = target.pool(batch, rotation_bytes)
     screen = {}
     for c in passed:
+        watch(c)
         screen[c] = time_config(target, pool, c, SCREEN_REPLAYS) if len(passed) > 1 else 0.0
         progress.advance(f"{target.label} b={batch}")
     finalists = sorted(passed, key=screen.get)[:FINALISTS]
     if default not in finalists:
         finalists.append(default)
-    final = {c: time_config(target, pool, c, replays) for c in finalists}
+    final = {}
+    for c in finalists:
+        watch(c)
+        final[c] = time_config(target, pool, c, replays)
     del pool
     torch.cuda.empty_cache()
     best = min(finalists, key=final.get)
     return TuneResult(target, batch, best, final[best], default, final[default], len(passed), rejected)
+
+
+def time_batches(send, target: TuneTarget, batches, candidates, replays: int, rotation_bytes: int) -> None:
+    """A timing process's work (``tune_target``): tune_one at each of `batches`, sending
+    ("run", (batch, config)) before each run of a config, ("tick", batch) per progress step and
+    ("result", TuneResult) per batch."""
+    import torch
+
+    for b in batches:
+        def watch(config, b=b):
+            torch.cuda.synchronize()  # a fault surfaces here, while the config that caused it is the one named
+            send(("run", (b, config)))
+
+        progress = SimpleNamespace(advance=lambda note="", b=b: send(("tick", b)))
+        result = tune_one(target, b, candidates, replays, rotation_bytes, progress, watch)
+        torch.cuda.synchronize()
+        send(("result", result))
+
+
+def _timing_process(work, conn, *args) -> None:
+    """A timing process: `work(conn.send, *args)`, an exception sent back as ("error", (its
+    message, its traceback))."""
+    try:
+        work(conn.send, *args)
+    except Exception as e:
+        conn.send(("error", (str(e), traceback.format_exc())))
+
+
+def tune_target(target: TuneTarget, batches, candidates, replays: int, rotation_bytes: int, progress,
+                work=time_batches):
+    """Yields the TuneResult of `target` at each of `batches` (tune_one), as they come, timed in
+    a spawned child process that runs `work` (``time_batches``). A candidate that faults the GPU
+    leaves that process's CUDA context unusable: when the child dies or reports a CUDA error, the
+    config it was running is dropped for this target and a fresh child goes on from that batch
+    (a faulting default skips the batch: nothing to compare with), at most MAX_RESTARTS times.
+    `progress` advances len(candidates) per batch, whatever the restarts."""
+    ctx = multiprocessing.get_context("spawn")
+    todo, faulted, restarts = list(batches), [], 0
+    shown = dict.fromkeys(batches, 0)  # progress steps shown per batch: none twice when a batch runs again
+
+    def advance_to(b, n):
+        while shown[b] < n:
+            shown[b] += 1
+            progress.advance(f"{target.label} b={b}")
+
+    while todo:
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_timing_process, daemon=True, args=(
+            work, writer, target, todo, [c for c in candidates if c not in faulted], replays, rotation_bytes))
+        child.start()
+        writer.close()  # the child's end only: recv() then fails once the child is gone
+        running, error, ticks = None, None, dict.fromkeys(todo, 0)
+        with reader:
+            while True:
+                try:
+                    kind, value = reader.recv()
+                except EOFError:
+                    break
+                if kind == "run":
+                    running = value
+                elif kind == "tick":
+                    ticks[value] += 1
+                    advance_to(value, ticks[value])
+                elif kind == "result":
+                    running = None
+                    todo.remove(value.batch)
+                    advance_to(value.batch, len(candidates))
+                    yield value
+                else:
+                    error = value
+        child.join()
+        if not todo:
+            return
+        if error is not None and not _CUDA_ERROR.search(error[0]):
+            raise RuntimeError(f"{target.label}: timing failed in its process:\n{error[1]}")
+        why = error[0].strip().splitlines()[0] if error else f"its process died, exit code {child.exitcode}"
+        give_up = f"faulted outside any candidate ({why})"
+        if running is not None:
+            b, config = running
+            faulted.append(config)
+            if config == target.default_config(b):
+                print(f"  {target.label} b={b} {config_label(config)}: faulted ({why}), the default config: "
+                      f"batch skipped")
+                todo.remove(b)
+                advance_to(b, len(candidates))
+            else:
+                print(f"  {target.label} b={b} {config_label(config)}: faulted ({why}), dropped")
+            restarts += 1
+            give_up = f"given up after {MAX_RESTARTS} restarts on faults" if restarts > MAX_RESTARTS else None
+        if todo and give_up:
+            print(f"  {target.label}: {give_up}; batches {', '.join(map(str, todo))} not tuned")
+            for b in todo:
+                advance_to(b, len(candidates))
+            return
 
 
 # ------------------------------------------------------------------------------------- the CLI
@@ -606,56 +782,62 @@ def main(argv=None) -> int:
     reason = path_error(out)
     if reason is None:
         try:
-            tuning.read_entries(out)
+            entries = tuning.read_entries(out)
         except (OSError, ValueError) as e:
             reason = str(e)
     if reason is not None:
         print(f"{PROG}: error: --out: {reason}", file=sys.stderr)
         return 2
 
-    candidates = {}
-    for t in args.targets:
-        configs = t.candidates(args.space)
-        defaults = {t.default_config(b) for b in args.batches}
-        for d in defaults:
-            reason = t.check(d)
-            if reason is not None:
-                print(f"{PROG}: {t.label}: the kernel cannot take this shape: {reason}", file=sys.stderr)
-                return 1
-        candidates[t] = list(dict.fromkeys(sorted(defaults, key=lambda c: c.key()) + configs))
-    jobs = [(t, c) for t in args.targets for c in candidates[t]]
-    print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
-          f"launch configs for {arch}", flush=True)
-    failed = compile_candidates(jobs, args.workers, arch)
-    for (t, c), why in sorted(failed.items(), key=lambda kv: (kv[0][0].label, kv[0][1].key())):
-        print(f"  {t.label} {config_label(c)}: did not compile, dropped ({why.splitlines()[0]})")
+    # From before cutlass is imported (t.candidates), so that the compiles in this process
+    # (--workers 1) report their spills too; the timing processes, started later, do not.
+    with ptxas_reports():
+        candidates = {}
+        for t in args.targets:
+            configs = t.candidates(args.space)
+            defaults = {t.default_config(b) for b in args.batches}
+            for d in defaults:
+                reason = t.check(d)
+                if reason is not None:
+                    print(f"{PROG}: {t.label}: the kernel cannot take this shape: {reason}", file=sys.stderr)
+                    return 1
+            candidates[t] = list(dict.fromkeys(sorted(defaults, key=lambda c: c.key()) + configs))
+        jobs = [(t, c) for t in args.targets for c in candidates[t]]
+        print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
+              f"launch configs for {arch}", flush=True)
+        dropped, unchecked = compile_candidates(jobs, args.workers, arch)
+    for (t, c), why in sorted(dropped.items(), key=lambda kv: (kv[0][0].label, kv[0][1].key())):
+        print(f"  {t.label} {config_label(c)}: dropped ({why.splitlines()[0]})")
+    if unchecked:
+        print(f"  {unchecked} candidates were in the compile cache already: ptxas did not run, so their spills "
+              f"are not checked")
     if args.compile_only:
-        print(f"{len(jobs) - len(failed)} kernels in the compile cache")
+        print(f"{len(jobs) - len(dropped)} kernels in the compile cache")
         return 0
     for t in args.targets:
         for b in args.batches:
-            why = failed.get((t, t.default_config(b)))
+            why = dropped.get((t, t.default_config(b)))
             if why is not None:
-                print(f"{PROG}: {t.label}: the default config {config_label(t.default_config(b))} did not "
-                      f"compile, nothing to compare the candidates with ({why.splitlines()[0]})", file=sys.stderr)
+                print(f"{PROG}: {t.label}: the default config {config_label(t.default_config(b))} is dropped, "
+                      f"nothing to compare the candidates with ({why.splitlines()[0]})", file=sys.stderr)
                 return 1
-        candidates[t] = [c for c in candidates[t] if (t, c) not in failed]
+        candidates[t] = [c for c in candidates[t] if (t, c) not in dropped]
 
     platform = tuning.current_platform()
     results = []
     progress = Progress("tune", sum(len(candidates[t]) for t in args.targets) * len(args.batches))
     for t in args.targets:
-        for b in args.batches:
-            results.append(tune_one(t, b, candidates[t], args.replays, args.pool_mb << 20, progress))
+        for r in tune_target(t, args.batches, candidates[t], args.replays, args.pool_mb << 20, progress):
+            results.append(r)
             # each winner as it comes: a run cut short keeps what it measured
-            written = tuning.write_entries(out, [results[-1].entry(platform)])
+            entries = tuning.write_entries(out, [r.entry(platform)])
     tuning.reload()
     print(summary(results))
     for r in results:
         for label, why in r.rejected.items():
             print(f"  {r.target.label} b={r.batch} {label}: rejected, {why}")
     print(f"{len(results)} tuned configs for {platform.device} ({platform.arch}) merged into {out} "
-          f"({len(written)} entries); decode and verify use them from now on "
+          f"({len(entries)} entries); decode and verify use them from now on "
           f"({tuning.ENV_DISABLE}=0 turns them off)")
     return 0
 
