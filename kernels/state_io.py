@@ -343,9 +343,9 @@ def _e2m1_pair_values(byte: Int32, *, loc=None, ip=None):
 
 
 def has_e2m1_conversion() -> bool:
-    """Whether the target compiled for (compile_cache.target_arch, as the compile options) has
-    the E2M1 conversions: sm_100a / sm_103a do, sm_90a does not."""
-    from ..compile_cache import target_arch
+    """Whether the target compiled for (runtime.compile_cache.target_arch, as the compile
+    options) has the E2M1 conversions: sm_100a / sm_103a do, sm_90a does not."""
+    from ..runtime.compile_cache import target_arch
 
     return target_arch() in ("sm_100a", "sm_103a")
 

@@ -98,7 +98,7 @@ def precompile_parallel(jobs, workers, arch, compile_one=_compile_one):
     compile_one(job) (a module-level function) for every job, and say how long it took. The
     workers compile for `arch` (passed on as CUTE_DSL_ARCH, so they need not touch the GPU); a job
     found in the disk cache costs a load."""
-    from replayssm_cute.compile_cache import ENV_ARCH
+    from replayssm_cute.runtime.compile_cache import ENV_ARCH
 
     t0 = time.perf_counter()
     os.environ[ENV_ARCH] = arch
@@ -115,7 +115,7 @@ def compile_target(prog: str, compile_only: bool):
     if not (compile_only or torch.cuda.is_available()):
         print(NO_GPU.format(prog=prog), file=sys.stderr)
         return None
-    from replayssm_cute.compile_cache import target_arch
+    from replayssm_cute.runtime.compile_cache import target_arch
 
     try:
         return target_arch()

@@ -11,7 +11,7 @@ or on the GPU kernels.
 
 For each layer type (Mamba-2, Gated DeltaNet) and configuration, a cache is driven step by step
 through the public API (``replayssm_cute.decode`` with CPU tensors runs the float64-semantics
-reference, ``reference_lowprec`` for low-precision caches) with random inputs, and every step's
+reference, ``reference.*_lowprec_cache_`` for low-precision caches) with random inputs, and every step's
 output is compared with a plain float64 recurrence run alongside on the same inputs
 (``reference.mamba2_conventional_step`` / ``reference.gdn_conventional_step``). Both start from
 the same prefill state: ``--prefill`` tokens of the float64 recurrence from zero, rounded to fp32
@@ -568,7 +568,7 @@ def precompile(jobs: List[Job], workers: int) -> Dict[tuple, str]:
     the on-disk compile cache (compiles take seconds each; the run then loads them), in this
     process when that cache is off or workers <= 1. Returns {(layer, config): why} for the
     configurations whose step failed."""
-    from replayssm_cute.compile_cache import disk_cache_enabled
+    from replayssm_cute.runtime.compile_cache import disk_cache_enabled
 
     failed = {}
     if workers <= 1 or not disk_cache_enabled():

@@ -1,3 +1,5 @@
+"""Tests marked ``gpu`` skip where no CUDA GPU is found."""
+
 import pytest
 import torch
 

@@ -54,137 +54,19 @@ checkpoint rows (from the entry tile, or from global memory next to a read copy)
 registers, twice for an nvfp4 writer (the whole-state amax, then the stores).
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Type
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, warp_reduce_many
-from ..config_space import config_space, launch_check
-from ..state_io import (StateCopies, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
+from ..common import launch_tiles, pow2_at_least, slot_is_live, warp_reduce_many
+from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
 from .common import gdn_gates, normalize_qk
-
-
-
-@dataclass(frozen=True)
-class GDNShape:
-    """Everything static about one GDN layer's decode: dims, window, dtypes, q scale, options."""
-
-    num_v_heads: int
-    head_v_dim: int
-    head_k_dim: int
-    num_k_heads: int
-    window: int
-    capacity: int
-    act_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
-    gate_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
-    A_log_dtype: Type[cutlass.Numeric] = cutlass.Float32
-    dt_bias_dtype: Type[cutlass.Numeric] = cutlass.Float32
-    scale: float = 0.0  # q scale; 0 means head_k_dim ** -0.5
-    keep_v_beta: bool = False
-    pad_slot_id: int = -1
-    checkpoint_format: str = "fp32"  # the recurrence checkpoint; low precision is written with SR
-    read_copy: Optional[str] = None  # the read copy of non-flush steps (RTN), None: the checkpoint
-    rederive: bool = False  # a flush re-derives the corrections from the checkpoint (Algorithm 6)
-
-    @property
-    def copies(self) -> StateCopies:
-        return StateCopies(self.checkpoint_format, self.read_copy, self.head_k_dim, self.window)
-
-    @property
-    def q_scale(self) -> float:
-        return self.scale if self.scale else self.head_k_dim ** -0.5
-
-    @property
-    def k_vec(self) -> int:
-        """Elements of a K row per lane: the smallest power of two that fits K in 32 lanes."""
-        return pow2_at_least(-(-self.head_k_dim // 32))
-
-    def key(self):
-        return (self.num_v_heads, self.head_v_dim, self.head_k_dim, self.num_k_heads, self.window,
-                self.capacity, self.act_dtype.__name__, self.gate_dtype.__name__,
-                self.A_log_dtype.__name__, self.dt_bias_dtype.__name__, float(self.scale),
-                self.keep_v_beta, self.pad_slot_id, self.checkpoint_format, self.read_copy, self.rederive)
-
-
-@dataclass(frozen=True)
-class GDNConfig:
-    """Launch configuration: rows_per_cta divides head_v_dim; num_warps divides rows_per_cta and
-    each warp's rows (a power of two up to 16) arrive as one TMA stage with its own mbarrier."""
-
-    rows_per_cta: int = 16
-    num_warps: int = 4
-    min_ctas_per_sm: int = 0  # > 0 caps registers so this many CTAs fit on an SM
-
-    @property
-    def rows_per_warp(self) -> int:
-        return self.rows_per_cta // self.num_warps
-
-    def records_per_warp(self, window: int) -> int:
-        return -(-window // self.num_warps)
-
-    def record_dot_values(self, window: int) -> int:
-        """Values a warp reduces for its record keys (k_j . k and k_j . q each), a power of two."""
-        return pow2_at_least(2 * self.records_per_warp(window))
-
-    def smem_bytes(self, shape: GDNShape) -> int:
-        """The state tile, the ring keys and per-position weights, mbarriers, alignment slack."""
-        K, cap = shape.head_k_dim, shape.capacity
-        rederive = 0
-        if shape.rederive:  # the keys' Gram matrix; S_ckpt k_p and re-derived u per warp row
-            rederive = 4 * cap * cap + 3 * 4 * cap * self.rows_per_cta + 48
-        return (self.rows_per_cta * K * 4 + 8 * cap + cap * K * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
-                + shape.copies.smem_bytes(self.rows_per_cta, self.num_warps) + rederive)
-
-    def key(self):
-        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
-
-    @classmethod
-    def space(cls, head_v_dim: int) -> List["GDNConfig"]:
-        """The launch configs the autotuner tries at this head_v_dim, before a kernel's check
-        (config_space): the decode kernel keeps those its ``check`` takes, verify and the
-        snapshot baseline those theirs do."""
-        return config_space(cls, head_v_dim)
-
-    def check(self, shape: GDNShape) -> Optional[str]:
-        """None if valid for the decode kernel on `shape`, else the reason."""
-        reason = self.check_tiles(shape)
-        if reason is not None:
-            return reason
-        rw = self.rows_per_warp
-        if rw & (rw - 1) or rw > 16:
-            return f"rows per warp {rw}: must be a power of two up to 16"
-        if 2 * self.records_per_warp(shape.capacity) > 32:
-            return f"{self.num_warps} warps are too few for a ring of {shape.capacity} (16 record keys per warp at most)"
-        reason = shape.copies.check(shape.k_vec, self.rows_per_cta, shape.head_v_dim)
-        if reason is not None:
-            return reason
-        if shape.rederive and not (shape.keep_v_beta and shape.window > 1):
-            return "re-deriving corrections at a flush needs the records' v and beta (keep_v_beta, window > 1)"
-        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
-
-    def check_tiles(self, shape: GDNShape) -> Optional[str]:
-        """The checks every GDN kernel shares: launch fields, head dims, heads, tiling and ring capacity."""
-        reason = launch_check(self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
-        if reason is not None:
-            return reason
-        V, K = shape.head_v_dim, shape.head_k_dim
-        if K % 16 or not 16 <= K <= 256 or V % 16 or not 16 <= V <= 256:
-            return f"head dims (V {V}, K {K}): the kernel needs multiples of 16 up to 256"
-        if shape.num_v_heads % shape.num_k_heads:
-            return f"num_v_heads {shape.num_v_heads} is not a multiple of num_k_heads {shape.num_k_heads}"
-        if self.rows_per_cta % self.num_warps:
-            return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
-        if V % self.rows_per_cta:
-            return f"rows_per_cta {self.rows_per_cta} does not divide head_v_dim {V}"
-        if shape.capacity > 32:
-            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        return None
+from .config import GDNConfig, GDNShape
 
 
 @cute.jit

@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator
 from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
                       snapshot_check, start_tile_loads, warp_reduce_many)
 from .common import gdn_gates, normalize_qk
-from .decode import GDNConfig, GDNShape
+from .config import GDNConfig, GDNShape
 
 
 class GDNSnapshot(DraftStepKernel):

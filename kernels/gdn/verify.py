@@ -60,7 +60,8 @@ from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, laun
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
-from .decode import GDNConfig, GDNShape, rederive_corrections, row_key_dots
+from .config import GDNConfig, GDNShape
+from .decode import rederive_corrections, row_key_dots
 
 
 @cute.jit

@@ -50,114 +50,17 @@ checkpoint rows (from the entry tile, or from global memory next to a read copy)
 registers, twice for an nvfp4 writer (the whole-state amax, then the stores).
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Type
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import launch_tiles, pow2_at_least, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum
-from ..config_space import config_space, launch_check
-from ..state_io import (StateCopies, decode_slice, entry_tma, fake_copy_tensors, folded_row,
-                        folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        write_state_scales)
-
-
-@dataclass(frozen=True)
-class Mamba2Shape:
-    """Everything static about one layer's decode: dims, window, dtypes and optional inputs."""
-
-    nheads: int
-    headdim: int
-    dstate: int
-    ngroups: int
-    window: int
-    capacity: int
-    act_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
-    dt_dtype: Type[cutlass.Numeric] = cutlass.BFloat16
-    has_D: bool = True
-    has_z: bool = False
-    has_dt_bias: bool = True
-    dt_softplus: bool = True
-    pad_slot_id: int = -1
-    checkpoint_format: str = "fp32"  # the recurrence checkpoint; low precision is written with SR
-    read_copy: Optional[str] = None  # the read copy of non-flush steps (RTN), None: the checkpoint
-
-    def key(self):
-        return (self.nheads, self.headdim, self.dstate, self.ngroups, self.window, self.capacity,
-                self.act_dtype.__name__, self.dt_dtype.__name__, self.has_D, self.has_z,
-                self.has_dt_bias, self.dt_softplus, self.pad_slot_id, self.checkpoint_format, self.read_copy)
-
-    @property
-    def copies(self) -> StateCopies:
-        return StateCopies(self.checkpoint_format, self.read_copy, self.dstate, self.window)
-
-
-@dataclass(frozen=True)
-class Mamba2Config:
-    """Launch configuration: rows_per_cta divides headdim and num_warps divides rows_per_cta; each
-    warp's rows arrive as one TMA stage with its own mbarrier."""
-
-    rows_per_cta: int = 16
-    num_warps: int = 4
-    min_ctas_per_sm: int = 0  # > 0 caps registers so this many CTAs fit on an SM
-
-    @property
-    def rows_per_warp(self) -> int:
-        return self.rows_per_cta // self.num_warps
-
-    def records_per_warp(self, capacity: int) -> int:
-        return -(-capacity // self.num_warps)
-
-    def record_dot_values(self, capacity: int) -> int:
-        """Values a warp reduces for its ring positions (B_p . C each), a power of two."""
-        return pow2_at_least(self.records_per_warp(capacity))
-
-    def smem_bytes(self, shape: Mamba2Shape) -> int:
-        """The state tile, B at every ring position and its weights, mbarriers, alignment slack."""
-        N, cap = shape.dstate, shape.capacity
-        return ((self.rows_per_cta * N + cap) * 4 + cap * N * shape.act_dtype.width // 8 + 8 * self.num_warps + 512
-                + shape.copies.smem_bytes(self.rows_per_cta, self.num_warps))
-
-    def key(self):
-        return (self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
-
-    @classmethod
-    def space(cls, headdim: int) -> List["Mamba2Config"]:
-        """The launch configs the autotuner tries at this headdim, before a kernel's check
-        (config_space): the decode kernel keeps those its ``check`` takes, verify and the
-        snapshot baseline those theirs do."""
-        return config_space(cls, headdim)
-
-    def check(self, shape: Mamba2Shape) -> Optional[str]:
-        """None if valid for the decode kernel on `shape`, else the reason."""
-        reason = self.check_tiles(shape)
-        if reason is not None:
-            return reason
-        if self.rows_per_warp > 32:
-            return "more than 32 rows per warp (a lane per row in the fold)"
-        reason = shape.copies.check(shape.dstate // 32, self.rows_per_cta, shape.headdim)
-        if reason is not None:
-            return reason
-        return smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm)
-
-    def check_tiles(self, shape: Mamba2Shape) -> Optional[str]:
-        """The checks every Mamba-2 kernel shares: launch fields, dims, tiling and ring capacity."""
-        reason = launch_check(self.rows_per_cta, self.num_warps, self.min_ctas_per_sm)
-        if reason is not None:
-            return reason
-        P, N = shape.headdim, shape.dstate
-        if N % 32 or N > 256:
-            return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
-        if P % self.rows_per_cta:
-            return f"rows_per_cta {self.rows_per_cta} does not divide headdim {P}"
-        if self.rows_per_cta % self.num_warps:
-            return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
-        if shape.capacity > 32:
-            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        return None
+from ..common import launch_tiles, slot_is_live, softplus, warp_reduce_many, warp_sum
+from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale,
+                        ring_coefficients, smem_scale, start_state_loads, store_copies, write_state_scales)
+from .config import Mamba2Config, Mamba2Shape
 
 
 class Mamba2Decode:

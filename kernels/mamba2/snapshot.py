@@ -33,7 +33,7 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
                       snapshot_check, softplus, start_tile_loads, warp_reduce_many)
-from .decode import Mamba2Config, Mamba2Shape
+from .config import Mamba2Config, Mamba2Shape
 
 
 class Mamba2Snapshot(DraftStepKernel):

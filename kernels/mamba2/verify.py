@@ -62,7 +62,7 @@ from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, laun
                       verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
-from .decode import Mamba2Config, Mamba2Shape
+from .config import Mamba2Config, Mamba2Shape
 
 class Mamba2Verify(DraftStepKernel):
     """One verify step of T drafts of a Mamba-2 layer over a pool of slots (module docstring)."""

@@ -8,8 +8,7 @@ if (
 ):
     __path__.append(str(_Path(__file__).parents[2]))
 
-__version__ = "0.1.0"
-
+from .version import __version__  # noqa: E402
 from .api import commit, decode, snapshot_verify, verify  # noqa: E402
 from .cache import GDNCache, Mamba2Cache  # noqa: E402
 

@@ -407,7 +407,7 @@ class _SlotPool:
     def is_plain(self) -> bool:
         """True for the layout the GPU kernels take today: an fp32 checkpoint, no read copy and
         (GDN) cached corrections folded at a flush. Other configurations run the CPU reference
-        (``reference_lowprec``) only."""
+        (``reference.*_lowprec_cache_``) only."""
         return (self.checkpoint_format == "fp32" and self.read_copy_format is None
                 and getattr(self, "flush_corrections", "fold") == "fold")
 

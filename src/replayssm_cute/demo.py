@@ -12,7 +12,7 @@ recurrence, and the states are checked after flushes and at the end. Then both k
 in L2; the median over replays) and reported per step with their bandwidth on ideal bytes.
 Mamba-2 and Gated DeltaNet models alike (the layer type comes from the model registry). Each
 kernel's launch config is printed with where it came from: a tuned config (the shipped H200 file
-or your own tuned-config file, replayssm_cute.tuning) or the analytical default.
+or your own tuned-config file, replayssm_cute.runtime.tuning) or the analytical default.
 
 Without a GPU: the same staggered check runs on CPU caches through `replayssm_cute.decode` (the
 PyTorch reference path, float32 cache so the check is tight) at batch 2, then the model's kernels
@@ -58,6 +58,7 @@ class _Mamba2Layer:
     random inputs, the decode call, the float64 recurrence and the tolerances."""
 
     kind = "Mamba-2"
+    name = "mamba2"  # its layer name (models.ModelSpec.layer, replayssm_cute.layers)
 
     def __init__(self, model, gen, dev):
         import torch
@@ -97,21 +98,6 @@ class _Mamba2Layer:
     def materialize(self, cache, slots):
         return cache.materialize(slots, self.A)
 
-    tuned_kernel = "mamba2_decode"  # its name in replayssm_cute.tuning
-
-    @staticmethod
-    def kernel_inputs(cache) -> tuple:
-        """What `decode` above passes on to mamba2_decode_kernel between the cache and the batch
-        (dt dtype, has_D, has_z, has_dt_bias, dt_softplus)."""
-        return (cache.dtype, True, False, True, True)
-
-    @classmethod
-    def kernel(cls, cache, batch):
-        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
-        from .kernels_host import mamba2_decode_kernel
-
-        return mamba2_decode_kernel(cache, *cls.kernel_inputs(cache), batch)
-
     def out_tol(self, dtype) -> float:
         return OUT_TOL[_dtype_name(dtype)]
 
@@ -128,6 +114,7 @@ class _GDNLayer:
     softplus(a + dt_bias) small), q, k, v and the raw gates standard normal."""
 
     kind = "GDN"
+    name = "gdn"  # its layer name (models.ModelSpec.layer, replayssm_cute.layers)
 
     def __init__(self, model, gen, dev):
         import torch
@@ -165,23 +152,6 @@ class _GDNLayer:
 
     def materialize(self, cache, slots):
         return cache.materialize(slots)
-
-    tuned_kernel = "gdn_decode"  # its name in replayssm_cute.tuning
-
-    @staticmethod
-    def kernel_inputs(cache) -> tuple:
-        """What `decode` above passes on to gdn_decode_kernel between the cache and the batch
-        (gate dtype, A_log dtype, dt_bias dtype, scale)."""
-        import torch
-
-        return (cache.dtype, torch.float32, torch.float32, None)
-
-    @classmethod
-    def kernel(cls, cache, batch):
-        """The kernel `decode` uses for this cache with the arguments of `decode` above."""
-        from .kernels_host import gdn_decode_kernel
-
-        return gdn_decode_kernel(cache, *cls.kernel_inputs(cache), batch)
 
     def out_tol(self, dtype) -> float:
         return GDN_OUT_TOL[_dtype_name(dtype)]
@@ -302,9 +272,18 @@ def _print_check(res, batch, window, windows, dtype_name) -> None:
 # --------------------------------------------------------------------------------------- launch configs
 
 
+def _decode_kernel_shape(layer, cache):
+    """(Kernel, Shape) of `layer`'s decode call on `cache`: the serving engines' usual arguments,
+    as its ``decode`` passes them (the adapter's ``engine_inputs``)."""
+    from .layers import LAYERS
+
+    host = LAYERS[layer.name]
+    return host.decode_kernel, host.shape(cache, host.engine_inputs(cache.dtype))
+
+
 def _config_source(tuned: bool, gpu: bool) -> str:
     """Where a picked launch config came from, in words."""
-    from . import tuning
+    from .runtime import tuning
 
     if tuned:
         user = tuning.user_file()
@@ -318,11 +297,12 @@ def _config_source(tuned: bool, gpu: bool) -> str:
 
 def launch_config_line(layer, cache, batch: int, gpu: bool) -> str:
     """`layer`'s decode kernel on `cache` at `batch`: its launch config and where it came from."""
-    from .kernels_host import picked_config
+    from .runtime.launch import picked_config
 
-    config, tuned = picked_config(layer.tuned_kernel, cache, batch, *layer.kernel_inputs(cache))
+    kernel, shape = _decode_kernel_shape(layer, cache)
+    config, tuned = picked_config(kernel, shape, batch)
     fields = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
-    return f"{layer.tuned_kernel} ({fields}): {_config_source(tuned, gpu)}"
+    return f"{kernel.name} ({fields}): {_config_source(tuned, gpu)}"
 
 
 # --------------------------------------------------------------------------------------- GPU
@@ -331,7 +311,8 @@ def launch_config_line(layer, cache, batch: int, gpu: bool) -> str:
 def _gpu_demo(model, shard, args) -> int:
     import torch
 
-    from .compile_cache import target_arch
+    from .runtime.compile_cache import target_arch
+    from .runtime.launch import launcher
 
     L, batch = args.window, args.batch
     dev = torch.device("cuda")
@@ -341,7 +322,7 @@ def _gpu_demo(model, shard, args) -> int:
     for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
         probe = layer(shard, torch.Generator(device=dev), dev).cache(1, w, torch.bfloat16, dev)
         t0 = time.perf_counter()
-        layer.kernel(probe, batch)
+        launcher(*_decode_kernel_shape(layer, probe), 0, batch)
         print(f"  {name:18s} kernel ready in {time.perf_counter() - t0:5.1f} s "
               f"(compiled, or loaded from the disk cache)")
         print(f"  {'':18s} {launch_config_line(layer, probe, batch, gpu=True)}")
@@ -397,7 +378,7 @@ def _cpu_demo(model, shard, args) -> int:
         return 2
     print(f"no CUDA GPU found: running the PyTorch reference path on the CPU and compiling the "
           f"kernels for {arch} (CUTE_DSL_ARCH, default sm_90a)")
-    from .compile_cache import SUPPORTED_ARCHS
+    from .runtime.compile_cache import SUPPORTED_ARCHS
 
     if arch not in SUPPORTED_ARCHS:
         print(f"demo: CUTE_DSL_ARCH={arch!r} is not supported; use one of {', '.join(SUPPORTED_ARCHS)}",

@@ -16,6 +16,9 @@ import math
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from . import quant
+from .layers import GDNLayer, Mamba2Layer, model_cache
+from .runtime import launch
+from .runtime.tuning import batch_bucket
 
 __all__ = ["DecodePool", "bench_layer", "compile_commit_kernel", "compile_pool_kernel", "cursor_cycle",
            "ideal_bytes", "time_graph", "verify_ideal_bytes"]
@@ -27,30 +30,11 @@ class _Layer:
     """One layer type as DecodePool and the sweeps see it. A ``ModelSpec`` names the dims alike for
     both types: per head a (headdim x dstate) fp32 state, and ngroups key-side groups (Mamba-2 B and
     C groups, GDN key heads); a record holds a 16-bit value-side row per head, a 16-bit key-side
-    row per group and an fp32 scalar per head; the pool's activations are bf16."""
+    row per group and an fp32 scalar per head; the pool's activations are bf16. The pool's inputs
+    are the serving engines' usual ones (the adapter's ``engine_inputs``)."""
 
     raw_gates: int  # 16-bit raw per-head scalars per row: Mamba-2 dt, GDN a and b
-
-    @staticmethod
-    def _cache_class():
-        raise NotImplementedError
-
-    @staticmethod
-    def _kernel():
-        """(shape function of kernels_host, its arguments after the activation dtype for the
-        pool's inputs, compile function, launch-config class, default-config function of
-        (headdim, batch, window)), imported on demand."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _speculative(window):
-        """The kernel of a speculative step of T drafts on a cache of `window`: verify() (window
-        > 1) or the conventional snapshot baseline, snapshot_verify() (window 1), as (kernels_host
-        function of (cache, T, its arguments for the pool's inputs, batch, config) that the API
-        calls, those arguments, the kernel's check(shape, config, T), the API's default-config
-        function of (headdim, batch, window), or None where the API picks it inline), imported
-        on demand."""
-        raise NotImplementedError
+    host: type  # the layer's adapter (replayssm_cute.layers): cache type, kernels, Shape of a call
 
     @staticmethod
     def fill_ring(cache, gen):
@@ -72,72 +56,69 @@ class _Layer:
         return e, act
 
     @staticmethod
-    def _decode_kernel():
-        """(kernels_host function of (cache, its arguments for the pool's inputs, batch, config)
-        that decode() calls, those arguments), imported on demand."""
-        raise NotImplementedError
-
-    @classmethod
-    def cache(cls, m, slots, window, device, drafts=0, dtype=None, read_copy=None):
+    def cache(m, slots, window, device, drafts=0, dtype=None, read_copy=None):
         """The pool's cache (activation `dtype`, default bf16); with a ring (window > 1) it has
         room for `drafts` drafts. `read_copy` ("fp16", "fp8", "nvfp4") adds that read copy next
         to the fp32 checkpoint (``checkpoint_format="fp32"``; cache.py's low-precision state)."""
-        import torch
+        return model_cache(m, slots, window, device, drafts if window > 1 else 0, dtype, read_copy)
 
-        formats = {} if read_copy is None else dict(checkpoint_format="fp32", read_copy=read_copy)
-        return cls._cache_class()(slots, m.nheads, m.headdim, m.dstate, m.ngroups, window=window,
-                                  max_draft=drafts if window > 1 else 0, dtype=dtype or torch.bfloat16,
-                                  device=device, **formats)
+    @classmethod
+    def _shape(cls, cache):
+        """The kernel Shape of a step of the pool's inputs on ``cache``."""
+        return cls.host.shape(cache, cls.host.engine_inputs(cache.dtype))
 
     @classmethod
     def decode_kernel(cls, cache, batch, config=None):
         """The kernel that a decode() of `batch` rows with the pool's inputs launches on ``cache``
-        (built, or loaded from the compile cache, on a miss): kernels_host picks it from the
-        cache (read copy included) and, with ``config`` None, the launch config as the API does."""
-        kernel_fn, args = cls._decode_kernel()
-        return kernel_fn(cache, *args, batch, config)
+        (built, or loaded from the compile cache, on a miss): the Shape of the cache (read copy
+        included) and, with ``config`` None, the launch config the API picks."""
+        return launch.launcher(cls.host.decode_kernel, cls._shape(cache), 0, batch, config)
 
     @classmethod
-    def kernel_shape(cls, m, window, drafts=0):
-        """The kernel shape the API asks for with the pool's inputs on ``cache(m, ..., window,
-        drafts=drafts)``."""
-        import torch
-
-        shape_fn, args = cls._kernel()[:2]
-        capacity = window + (drafts if window > 1 else 0)
-        return shape_fn(m.nheads, m.headdim, m.dstate, m.ngroups, window, capacity, torch.bfloat16, *args)
+    def kernel_shape(cls, m, window, drafts=0, dtype=None, read_copy=None):
+        """The kernel Shape the API asks for with the pool's inputs on ``cache(m, ..., window,
+        drafts, dtype, read_copy)``."""
+        return cls._shape(cls.cache(m, 1, window, "meta", drafts, dtype, read_copy))
 
     @classmethod
     def compile(cls, shape, config):
-        return cls._kernel()[2](shape, config)
+        return launch.compiled(cls.host.decode_kernel, shape, config)
 
     @classmethod
     def config(cls, rows_per_cta, num_warps):
-        return cls._kernel()[3](rows_per_cta=rows_per_cta, num_warps=num_warps)
+        return cls.host.launch_config()(rows_per_cta=rows_per_cta, num_warps=num_warps)
 
     @classmethod
     def default_config(cls, m, batch, window):
-        """The launch config decode() picks when given none."""
-        return cls._kernel()[4](m.headdim, batch, window)
+        """The analytical launch config decode() picks for the pool when given none (and none is
+        tuned)."""
+        return cls.host.decode_kernel.default_config(cls.kernel_shape(m, window), batch_bucket(batch))
+
+    @classmethod
+    def _speculative(cls, window):
+        """The Kernel of a speculative step on a cache of `window`: verify() (window > 1) or the
+        conventional snapshot baseline, snapshot_verify() (window 1)."""
+        return cls.host.verify_kernel if window > 1 else cls.host.snapshot_kernel
 
     @classmethod
     def speculative_kernel(cls, cache, drafts, batch, config=None):
         """The kernel that a verify() (ring cache) or snapshot_verify() (conventional cache) of
         T = ``drafts`` with the pool's inputs launches on ``cache`` (built, or loaded from the
         compile cache, on a miss)."""
-        kernel_fn, args = cls._speculative(cache.window)[:2]
-        return kernel_fn(cache, drafts, *args, batch, config)
+        return launch.launcher(cls._speculative(cache.window), cls._shape(cache), drafts, batch, config)
 
     @classmethod
     def speculative_check(cls, m, window, drafts, config):
         """Why that kernel cannot take ``config`` at this shape, or None."""
-        return cls._speculative(window)[2](cls.kernel_shape(m, window, drafts), config, drafts)
+        return cls._speculative(window).check(cls.kernel_shape(m, window, drafts), config, drafts)
 
     @classmethod
     def default_speculative_config(cls, m, batch, window):
-        """The launch config that API picks when given none, or None where it picks it inline."""
-        default = cls._speculative(window)[3]
-        return None if default is None else default(m.headdim, batch, window)
+        """verify's analytical launch config for the pool when given none (and none is tuned);
+        None for the snapshot baseline, which the sweeps time at the API's pick."""
+        if window == 1:
+            return None
+        return cls.host.verify_kernel.default_config(cls.kernel_shape(m, window), batch_bucket(batch))
 
 
 class _Mamba2Layer(_Layer):
@@ -145,42 +126,7 @@ class _Mamba2Layer(_Layer):
     dt_bias given, dt_softplus on, no z, dt in bf16."""
 
     raw_gates = 1
-
-    @staticmethod
-    def _cache_class():
-        from .cache import Mamba2Cache
-
-        return Mamba2Cache
-
-    @staticmethod
-    def _kernel():
-        import torch
-
-        from .kernels.mamba2.decode import Mamba2Config
-        from .kernels_host import compile_mamba2, default_mamba2_config, mamba2_shape
-
-        args = (torch.bfloat16, True, False, True, True, -1)
-        return mamba2_shape, args, compile_mamba2, Mamba2Config, default_mamba2_config
-
-    @staticmethod
-    def _decode_kernel():
-        from .kernels_host import mamba2_decode_kernel
-
-        return mamba2_decode_kernel, _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, softplus
-
-    @staticmethod
-    def _speculative(window):
-        args = _Mamba2Layer._kernel()[1][:5]  # dt dtype, has_D, has_z, has_dt_bias, dt_softplus
-        if window > 1:
-            from .kernels.mamba2.verify import Mamba2Verify
-            from .kernels_host import default_mamba2_verify_config, mamba2_verify_kernel
-
-            return (mamba2_verify_kernel, args, Mamba2Verify.check,
-                    lambda headdim, batch, window: default_mamba2_verify_config(headdim, batch))
-        from .kernels.mamba2.snapshot import Mamba2Snapshot
-        from .kernels_host import mamba2_snapshot_kernel
-
-        return mamba2_snapshot_kernel, args, Mamba2Snapshot.check, None
+    host = Mamba2Layer
 
     @staticmethod
     def fill_ring(cache, gen):
@@ -214,44 +160,7 @@ class _GDNLayer(_Layer):
     dt_bias, the default q scale."""
 
     raw_gates = 2
-
-    @staticmethod
-    def _cache_class():
-        from .cache import GDNCache
-
-        return GDNCache
-
-    @staticmethod
-    def _kernel():
-        import torch
-
-        from .kernels.gdn.decode import GDNConfig
-        from .kernels_host import compile_gdn, default_gdn_config, gdn_shape
-
-        args = (torch.bfloat16, torch.float32, torch.float32, None, False, -1)
-        return gdn_shape, args, compile_gdn, GDNConfig, default_gdn_config
-
-    @staticmethod
-    def _decode_kernel():
-        from .kernels_host import gdn_decode_kernel
-
-        return gdn_decode_kernel, _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
-
-    @staticmethod
-    def _speculative(window):
-        args = _GDNLayer._kernel()[1][:4]  # gate, A_log and dt_bias dtypes, scale
-        if window > 1:
-            from .kernels.gdn.verify import GDNVerify
-            from .kernels_host import default_gdn_verify_config, gdn_verify_kernel
-
-            def default_config(headdim, batch, window):  # verify's GDN default takes no window
-                return default_gdn_verify_config(headdim, batch)
-
-            return gdn_verify_kernel, args, GDNVerify.check, default_config
-        from .kernels.gdn.snapshot import GDNSnapshot
-        from .kernels_host import gdn_snapshot_kernel
-
-        return gdn_snapshot_kernel, args, GDNSnapshot.check, None
+    host = GDNLayer
 
     @staticmethod
     def _gates(head_shape, a_shape, gen, device):
@@ -331,7 +240,7 @@ def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int 
     pool with that read copy (``DecodePool(..., read_copy=...)``). Needs no GPU when
     ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it.
     A decode step with a read copy or with ``config`` None is looked up as decode() does, from
-    a cache of the pool's layout on the meta device (kernels_host picks the kernel)."""
+    a cache of the pool's layout on the meta device."""
     layer = bench_layer(model)
     if not drafts and read_copy is None and config is not None:
         return layer.compile(layer.kernel_shape(model, window), config)
@@ -345,11 +254,9 @@ def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int 
 def compile_commit_kernel(window: int, drafts: int):
     """Build (or load from the compile cache) the commit kernel that follows a verify of T =
     ``drafts`` on a pool of window L (the same for every layer type and dims: it moves cursors)."""
-    from .cache import Mamba2Cache
-    from .kernels_host import commit_kernel
+    from .kernels.commit import CommitShape
 
-    # the smallest dims a Mamba2Cache off the CPU takes; the commit kernel ignores them
-    return commit_kernel(Mamba2Cache(1, 1, 16, 32, 1, window=window, max_draft=drafts, device="meta"), drafts)
+    return launch.commit_launcher(CommitShape(window, window + drafts, drafts))
 
 
 def _step_sizes(model):
@@ -398,7 +305,7 @@ def cursor_cycle(window: int, drafts: int, accepted: int) -> List[int]:
     1 <= a <= T <= L): from h = 0, a step flushes when h + T > L and leaves h = a, else h + a.
     Each period starts at h = a and ends with its one flush; the transient h = 0 of a fresh
     slot is left out."""
-    from .reference_spec import spec_flush
+    from .reference import spec_flush
 
     if not 1 <= accepted <= drafts <= window:
         raise ValueError(f"cursor_cycle needs 1 <= accepted <= drafts <= window, got accepted "
@@ -425,7 +332,7 @@ def verify_ideal_bytes(model, batch: int, window: int, drafts: int, accepted: in
       read once and a snapshot written per draft, plus one state written back at the commit;
     * ``snapshot_kernel``: what its snapshot_verify() alone moves (no commit), B*((1 + T)*S + T*act).
     """
-    from .reference_spec import spec_flush
+    from .reference import spec_flush
 
     S, e, act = _step_sizes(model)
     T, b = drafts, batch
@@ -700,7 +607,7 @@ def read_ideal_bytes(model, batch: int, window: int, fmt: str, cursor: Optional[
 
 
 def verify_read_ideal_bytes(model, batch: int, window: int, drafts: int, accepted: int, fmt: str) -> float:
-    from .reference_spec import spec_flush
+    from .reference import spec_flush
 
     """Ideal bytes of a verify + commit step of ``batch`` rows (T = ``drafts``, a = ``accepted``)
     reading format `fmt`, the mean over one period of perf.cursor_cycle (module docstring); with

@@ -16,7 +16,7 @@ launch config decode picks over the batch buckets (1, 2, 4, ..., 1024) on the ta
   sentinel -1. --with-z is an error for them: the GDN output gate (RMSNorm, silu(z)) is applied
   outside the kernel, so there is no gated variant.
 
-Launch configs: decode and verify pick the tuned config of their device (replayssm_cute.tuning:
+Launch configs: decode and verify pick the tuned config of their device (replayssm_cute.runtime.tuning:
 the shipped H200 file, the user's file) at the batch's bucket or a neighbouring one, else the
 analytical default. --device-name names the device the kernels are for, as
 torch.cuda.get_device_name() spells it (default: the visible GPU); --arch its target (default:
@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from . import tuning
-from .tuning import BATCH_BUCKETS
+from .runtime import tuning
+from .runtime.tuning import BATCH_BUCKETS
 
 PROG = "python -m replayssm_cute.precompile"
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -66,74 +66,38 @@ def config_label(config) -> str:
     return label
 
 
-def _picked(kernel: str, shape, platforms, num_drafts: int = 0):
-    """The distinct launch configs `kernel` (kernels_host.picked_config's names) runs `shape`
-    with, T = `num_drafts`, over every batch bucket, sorted: on each of `platforms`
-    (tuning.Platform, or None for no tuned configs), or with `platforms` None on the active one
-    (tuning.active_platform: this process's GPU, or none)."""
-    from . import kernels_host as kh
-
-    cache, inputs = _cache_like(shape), _kernel_inputs(shape)
+def _picked(kernel, shape, platforms, num_drafts: int = 0):
+    """The distinct launch configs `kernel` (a runtime.launch.Kernel) runs `shape` with, T =
+    `num_drafts`, over every batch bucket, sorted: on each of `platforms` (tuning.Platform, or
+    None for no tuned configs), or with `platforms` None on the active one
+    (launch.active_platform: this process's GPU, or none)."""
+    from .runtime import launch
 
     def picks():
-        return {kh.picked_config(kernel, cache, b, *inputs, num_drafts=num_drafts)[0] for b in BATCH_BUCKETS}
+        return {launch.picked_config(kernel, shape, b, num_drafts)[0] for b in BATCH_BUCKETS}
 
     if platforms is None:
         configs = picks()
     else:
         configs = set()
         for platform in platforms:
-            with tuning.use_platform(platform):
+            with launch.use_platform(platform):
                 configs |= picks()
     return sorted(configs, key=lambda c: c.key())
 
 
-def _layer_variants(layer: str, window: int, dtypes, make_shape, platforms):
-    """(label, shape, config) for window 1 and `window`, each dtype, each launch config decode
-    picks (``_picked``); make_shape(dtype, L) builds the static shape."""
-    import torch
+def _shape(model, dtype, window: int, max_draft: int = 0, read_copy=None, with_z: bool = False,
+           pad_slot_id: int = -1):
+    """The kernel Shape decode and verify build for the engines' usual arguments (the layer
+    adapter's ``engine_inputs``; `with_z`: Mamba-2's gated variant) on a cache of `model`'s layer
+    at `window` with room for `max_draft` drafts and activations `dtype`; with `read_copy`, that
+    read copy next to an fp32 checkpoint (GDNCache's defaults then: v and beta kept, corrections
+    re-derived at a flush)."""
+    from .layers import LAYERS, model_cache
 
-    out = []
-    for dname in dtypes:
-        dtype = getattr(torch, _DTYPES[dname])
-        for L in sorted({1, window}):
-            shape = make_shape(dtype, L)
-            for cfg in _picked(f"{layer}_decode", shape, platforms):
-                mode = "conventional" if L == 1 else f"replay_L{L}"
-                out.append((f"{layer}_{mode}_{dname}_{config_label(cfg)}", shape, cfg))
-    return out
-
-
-def mamba2_variants(model, window: int, dtypes, with_z: bool = False, pad_slot_id: int = -1, platforms=None):
-    """(label, shape, config) for every Mamba-2 kernel `decode` needs at this model shape, with
-    the launch configs it picks on `platforms` (``_picked``)."""
-    from .kernels_host import mamba2_shape
-
-    return _layer_variants(
-        "mamba2", window, dtypes,
-        lambda dtype, L: mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
-                                      dtype, dtype, True, with_z, True, True, pad_slot_id),
-        platforms)
-
-
-def gdn_variants(model, window: int, dtypes, pad_slot_id: int = -1, platforms=None):
-    """(label, shape, config) for every GDN kernel `decode` needs at this model shape, with the
-    launch configs it picks on `platforms` (``_picked``).
-
-    ModelSpec fields for a GDN layer: nheads = HV value heads, headdim = V, dstate = K,
-    ngroups = H key heads. The gates a, b come in the activation dtype, A_log and dt_bias fp32,
-    the q scale is the default (scale=None); caches without v / beta records (keep_v_beta off).
-    """
-    import torch
-
-    from .kernels_host import gdn_shape
-
-    return _layer_variants(
-        "gdn", window, dtypes,
-        lambda dtype, L: gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, L, L,
-                                   dtype, dtype, torch.float32, torch.float32, None, False,
-                                   pad_slot_id),
-        platforms)
+    layer = LAYERS[model.layer]
+    cache = model_cache(model, 1, window, "meta", max_draft, dtype, read_copy, pad_slot_id)
+    return layer.shape(cache, layer.engine_inputs(dtype, with_z))
 
 
 READ_COPIES = ("fp16", "fp8", "nvfp4")
@@ -143,22 +107,18 @@ def read_copy_variants(model, window: int, dtypes, read_copies, pad_slot_id: int
     """(label, shape, config) for the ReplaySSM decode kernels `decode` builds on caches with each
     read copy of `read_copies` next to an fp32 checkpoint (GDNCache's defaults with a read copy:
     v and beta kept, corrections re-derived at a flush), the engines' usual arguments otherwise
-    (mamba2_variants / gdn_variants), each with the launch configs decode picks on `platforms`."""
+    (``variants``), each with the launch configs decode picks on `platforms`."""
     import torch
 
-    from . import kernels_host as kh
+    from .layers import LAYERS
 
+    kernel = LAYERS[model.layer].decode_kernel
     out = []
     for dname in dtypes:
         dtype = getattr(torch, _DTYPES[dname])
         for fmt in read_copies:
-            if model.layer == "gdn":
-                shape = kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window, dtype,
-                                     dtype, torch.float32, torch.float32, None, True, pad_slot_id, "fp32", fmt, True)
-            else:
-                shape = kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, window,
-                                        dtype, dtype, True, False, True, True, pad_slot_id, "fp32", fmt)
-            for cfg in _picked(f"{model.layer}_decode", shape, platforms):
+            shape = _shape(model, dtype, window, read_copy=fmt, pad_slot_id=pad_slot_id)
+            for cfg in _picked(kernel, shape, platforms):
                 out.append((f"{model.layer}_replay_L{window}_read_{fmt}_{dname}_{config_label(cfg)}", shape, cfg))
     return out
 
@@ -195,7 +155,9 @@ def _drafts_error(model, window: int, drafts) -> Optional[str]:
 
 def _option_error(model, with_z: bool, window: Optional[int] = None, drafts=None):
     """Why the options do not apply to `model`, or None. Needs no cutlass import."""
-    if model.layer not in ("mamba2", "gdn"):
+    from .layers import LAYERS
+
+    if model.layer not in LAYERS:
         return f"{model.name}: unknown layer type {model.layer!r}"
     if with_z and model.layer == "gdn":
         return (f"--with-z: {model.name} is a gdn model; its output gate (RMSNorm, silu(z)) is "
@@ -206,20 +168,38 @@ def _option_error(model, with_z: bool, window: Optional[int] = None, drafts=None
 
 
 def variants(model, window: int, dtypes, with_z: bool = False, platforms=None):
-    """The variants of `model`'s layer type (mamba2_variants or gdn_variants)."""
+    """(label, shape, config) for every decode kernel `decode` needs at `model`'s shape, for the
+    conventional step (window 1) and ReplaySSM (`window`), with the launch configs it picks on
+    `platforms` (``_picked``): the engines' usual arguments (the module docstring), `with_z`
+    adding Mamba-2's gated variants.
+
+    ModelSpec fields for a GDN layer: nheads = HV value heads, headdim = V, dstate = K,
+    ngroups = H key heads."""
+    import torch
+
+    from .layers import LAYERS
+
     reason = _option_error(model, with_z)
     if reason is not None:
         raise ValueError(reason)
-    if model.layer == "gdn":
-        return gdn_variants(model, window, dtypes, platforms=platforms)
-    return mamba2_variants(model, window, dtypes, with_z=with_z, platforms=platforms)
+    kernel = LAYERS[model.layer].decode_kernel
+    out = []
+    for dname in dtypes:
+        dtype = getattr(torch, _DTYPES[dname])
+        for L in sorted({1, window}):
+            shape = _shape(model, dtype, L, with_z=with_z)
+            for cfg in _picked(kernel, shape, platforms):
+                mode = "conventional" if L == 1 else f"replay_L{L}"
+                out.append((f"{model.layer}_{mode}_{dname}_{config_label(cfg)}", shape, cfg))
+    return out
 
 
 def compile_variant(layer: str, shape, config):
     """Build one variant into the compile cache (or load it); returns the compiled kernel."""
-    from . import kernels_host
+    from .layers import LAYERS
+    from .runtime.launch import compiled
 
-    return getattr(kernels_host, f"compile_{layer}")(shape, config)
+    return compiled(LAYERS[layer].decode_kernel, shape, config)
 
 
 class DraftVariant(NamedTuple):
@@ -238,7 +218,7 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     on a cache with max_draft = max(drafts) and `window`: the decode kernels on that cache (its
     capacity differs from the window-only cache's), one verify kernel per (dtype, T, launch config)
     and one commit kernel per T. Launch configs: those decode and verify pick on `platforms`
-    (``_picked``). Arguments as `mamba2_variants` / `gdn_variants` (the engines' usual ones).
+    (``_picked``). Arguments as ``variants`` (the engines' usual ones).
     ``read_copy``: those of a cache with that read copy next to an fp32 checkpoint (GDN keeping v
     and beta, re-deriving at a flush), without the commit kernels (the plain cache's).
     Raises ValueError (naming --drafts) when the draft counts do not apply."""
@@ -248,40 +228,27 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     reason = _option_error(model, with_z, window, drafts)
     if reason is not None:
         raise ValueError(reason)
-    from . import kernels_host as kh
     from .kernels.commit import CommitShape
+    from .layers import LAYERS
 
     layer = model.layer
+    decode, verify = LAYERS[layer].decode_kernel, LAYERS[layer].verify_kernel
     max_draft = max(drafts)
     capacity = window + max_draft
-    if layer == "gdn":
-        from .kernels.gdn.verify import GDNVerify as Verify
-
-        def make_shape(dtype):
-            return kh.gdn_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window, capacity,
-                                dtype, dtype, torch.float32, torch.float32, None, read_copy is not None,
-                                pad_slot_id, "fp32", read_copy, read_copy is not None)
-    else:
-        from .kernels.mamba2.verify import Mamba2Verify as Verify
-
-        def make_shape(dtype):
-            return kh.mamba2_shape(model.nheads, model.headdim, model.dstate, model.ngroups, window,
-                                   capacity, dtype, dtype, True, with_z, True, True, pad_slot_id, "fp32", read_copy)
-
     cache = f"L{window}_maxdraft{max_draft}" + (f"_read_{read_copy}" if read_copy else "")
     out = []
     for dname in dtypes:
-        shape = make_shape(getattr(torch, _DTYPES[dname]))
-        for cfg in _picked(f"{layer}_decode", shape, platforms):
-            reason = cfg.check(shape)
+        shape = _shape(model, getattr(torch, _DTYPES[dname]), window, max_draft, read_copy, with_z, pad_slot_id)
+        for cfg in _picked(decode, shape, platforms):
+            reason = decode.check(shape, cfg, 0)
             if reason is not None:
                 raise ValueError(f"--drafts: the decode kernel on a cache of max_draft {max_draft} "
                                  f"cannot take {cfg}: {reason}")
             out.append(DraftVariant(f"{layer}_replay_{cache}_{dname}_{config_label(cfg)}", "decode",
                                     shape, cfg, 0))
         for T in drafts:
-            for cfg in _picked(f"{layer}_verify", shape, platforms, T):
-                reason = Verify.check(shape, cfg, T)
+            for cfg in _picked(verify, shape, platforms, T):
+                reason = verify.check(shape, cfg, T)
                 if reason is not None:
                     raise ValueError(f"--drafts: the verify kernel cannot take T = {T} with {cfg}: {reason}")
                 out.append(DraftVariant(f"{layer}_verify_{cache}_T{T}_{dname}_{config_label(cfg)}",
@@ -292,54 +259,17 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     return out
 
 
-def _torch_dtype(cute_dtype):
-    from .kernels_host import _CUTE_DTYPE_NAMES
-
-    return next(t for t, name in _CUTE_DTYPE_NAMES.items() if name == cute_dtype.__name__)
-
-
-def _cache_like(shape):
-    """What the kernels_host lookups read from a cache, for a Mamba2Shape, a GDNShape or a
-    CommitShape: the verify and commit kernels are built through the very calls verify / commit
-    make, so the compile-cache keys are theirs."""
-    from types import SimpleNamespace
-
-    fields = dict(window=shape.window, capacity=shape.capacity, pad_slot_id=shape.pad_slot_id,
-                  checkpoint_format=getattr(shape, "checkpoint_format", "fp32"),
-                  read_copy_format=getattr(shape, "read_copy", None),
-                  flush_corrections="rederive" if getattr(shape, "rederive", False) else "fold",
-                  sr_counter=True if getattr(shape, "stochastic", False) else None)  # commit: SR checkpoints
-    if hasattr(shape, "nheads"):  # Mamba2Shape
-        fields.update(nheads=shape.nheads, headdim=shape.headdim, dstate=shape.dstate,
-                      ngroups=shape.ngroups, dtype=_torch_dtype(shape.act_dtype))
-    elif hasattr(shape, "num_v_heads"):  # GDNShape
-        fields.update(num_v_heads=shape.num_v_heads, head_v_dim=shape.head_v_dim,
-                      head_k_dim=shape.head_k_dim, num_k_heads=shape.num_k_heads,
-                      keep_v_beta=shape.keep_v_beta, dtype=_torch_dtype(shape.act_dtype))
-    return SimpleNamespace(**fields)
-
-
-def _kernel_inputs(shape) -> tuple:
-    """The arguments a ``kernels_host`` decode / verify lookup takes between the cache (and T) and
-    the batch, for a Mamba2Shape or a GDNShape: what the engines pass that built it."""
-    if hasattr(shape, "num_v_heads"):
-        return (_torch_dtype(shape.gate_dtype), _torch_dtype(shape.A_log_dtype), _torch_dtype(shape.dt_bias_dtype),
-                shape.scale or None)
-    return _torch_dtype(shape.dt_dtype), shape.has_D, shape.has_z, shape.has_dt_bias, shape.dt_softplus
-
-
 def compile_draft_variant(layer: str, variant: DraftVariant):
     """Build one of `draft_variants` into the compile cache (or load it); returns the kernel."""
-    from . import kernels_host
+    from .layers import LAYERS
+    from .runtime.launch import commit_launcher, launcher
 
-    s = variant.shape
     if variant.kind == "decode":
-        return compile_variant(layer, s, variant.config)
+        return compile_variant(layer, variant.shape, variant.config)
     if variant.kind == "verify":
-        lookup = kernels_host.gdn_verify_kernel if layer == "gdn" else kernels_host.mamba2_verify_kernel
-        return lookup(_cache_like(s), variant.num_drafts, *_kernel_inputs(s), 1, variant.config)
+        return launcher(LAYERS[layer].verify_kernel, variant.shape, variant.num_drafts, 1, variant.config)
     if variant.kind == "commit":
-        return kernels_host.commit_kernel(_cache_like(s), variant.num_drafts)
+        return commit_launcher(variant.shape)
     raise ValueError(f"unknown kernel kind {variant.kind!r}")
 
 
@@ -348,7 +278,7 @@ def _write_ptx(build, path: Path) -> None:
     import shlex
     import tempfile
 
-    from .compile_cache import compile_options
+    from .runtime.compile_cache import compile_options
 
     # --keep-ptx also writes a copy into the DSL's dump dir (by default the current directory);
     # a scratch folder keeps that from littering wherever precompile was started.
@@ -359,21 +289,19 @@ def _write_ptx(build, path: Path) -> None:
 
 def dump_ptx(layer: str, shape, config, path: Path) -> None:
     """Compile one variant once more with --keep-ptx and write its PTX to `path`."""
-    import importlib
+    from .layers import LAYERS
 
-    module = importlib.import_module(f"{__package__}.kernels.{layer}.decode")
-    _write_ptx(lambda options: module.compile_decode(shape, config, options), path)
+    _write_ptx(lambda options: LAYERS[layer].decode_kernel.build(shape, config, 0, options), path)
 
 
 def dump_draft_ptx(layer: str, variant: DraftVariant, path: Path) -> None:
     """Compile one of `draft_variants` once more with --keep-ptx and write its PTX to `path`."""
-    import importlib
+    from .layers import LAYERS
 
     if variant.kind == "decode":
         return dump_ptx(layer, variant.shape, variant.config, path)
     if variant.kind == "verify":
-        module = importlib.import_module(f"{__package__}.kernels.{layer}.verify")
-        return _write_ptx(lambda options: module.compile_verify(
+        return _write_ptx(lambda options: LAYERS[layer].verify_kernel.build(
             variant.shape, variant.config, variant.num_drafts, options), path)
     if variant.kind == "commit":
         from .kernels.commit import compile_commit
@@ -408,14 +336,15 @@ def target_platforms(device_name: Optional[str], arch: str) -> list:
     that of the device named (None: of the active platform's device, the visible GPU); with
     neither, None (no tuned configs: the defaults, as decode without a GPU) and that of every
     device with tuned configs."""
-    from . import __version__
-    from .compile_cache import _cutlass_version
+    from .runtime.compile_cache import _cutlass_version
+    from .runtime.launch import active_platform
+    from .version import __version__
 
     def on(device):
         return tuning.Platform(device, arch, __version__, _cutlass_version())
 
     if device_name is None:
-        active = tuning.active_platform()
+        active = active_platform()
         if active is None:
             return [None] + [on(d) for d in tuning.tuned_devices()]
         device_name = active.device
@@ -447,7 +376,7 @@ class BuildJob(NamedTuple):
 def init_worker(arch: str) -> None:
     """A compile worker process's start: the target arch before cutlass is imported (the workers
     never touch a GPU)."""
-    from .compile_cache import ENV_ARCH
+    from .runtime.compile_cache import ENV_ARCH
 
     os.environ[ENV_ARCH] = arch
 
@@ -477,7 +406,7 @@ def build_all(jobs, workers: int, arch: str) -> dict:
     Returns {label: why} of those that failed."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from .compile_cache import disk_cache_enabled
+    from .runtime.compile_cache import disk_cache_enabled
 
     t0, failed = time.perf_counter(), {}
     count, label = len(str(len(jobs))), max(len(job.variant.label) for job in jobs)
@@ -573,7 +502,7 @@ def main(argv=None) -> int:
             raise RuntimeError("--arch must be chosen before cutlass is imported")
         os.environ["CUTE_DSL_ARCH"] = args.arch
 
-    from .compile_cache import target_arch
+    from .runtime.compile_cache import target_arch
 
     try:
         arch = target_arch()

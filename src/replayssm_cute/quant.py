@@ -51,7 +51,7 @@ for fp16, 2^-8 for E4M3, 1 for E2M1) the tie goes by n's parity, which is not bi
 SR rounds up with probability f32 / 2^32: exactly |x|'s position within its gap whenever
 d <= 32 (|x| >= 2^(emin - m - 9)), so it is unbiased there; below, the fraction is truncated to
 32 bits. RTN equals ``x.to(torch.float16)`` and ``x.to(torch.float8_e4m3fn)`` bit for bit
-(torch saturates E4M3, Inf included, to ±448); NaN payloads are not kept (tests/test_quant.py).
+(torch saturates E4M3, Inf included, to ±448); NaN payloads are not kept (tests/reference/test_quant.py).
 
 Random bits (``sr_bits``)
 -------------------------

@@ -36,7 +36,7 @@ the process's CUDA context unusable) is dropped, and a fresh child goes on from 
 bucket (a faulting default skips the bucket; after MAX_RESTARTS the kernel is given up).
 
 The winners, with their times, go to --out (default: the user's tuned-config file, see
-replayssm_cute.tuning), merged with what is there; decode and verify use them from then on,
+replayssm_cute.runtime.tuning), merged with what is there; decode and verify use them from then on,
 this process included. The summary gives per kernel and batch the best config, its time, the
 achieved TB/s on the ideal bytes (perf.ideal_bytes, perf.verify_ideal_bytes: 16-bit
 activations) and the speedup over the analytical default. --compile-only builds the candidates
@@ -62,7 +62,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .models import MODELS, ModelSpec, get_model
 from .precompile import config_label, init_worker, path_error
-from .tuning import BATCH_BUCKETS, MODES
+from .runtime.tuning import BATCH_BUCKETS, MODES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
 READ_COPIES = ("fp16", "fp8", "nvfp4")
@@ -103,9 +103,13 @@ class TuneTarget:
     read_copy: Optional[str] = None  # a low-precision read copy next to the fp32 checkpoint
 
     @property
-    def kernel(self) -> str:
-        """Its kernel's name in the tuned-config files (tuning.KERNELS)."""
-        return f"{self.model.layer}_{'verify' if self.mode == 'verify' else 'decode'}"
+    def kernel(self):
+        """Its kernel (runtime.launch.Kernel, the layer adapter's decode or verify kernel); its
+        name keys the tuned-config files (tuning.KERNELS)."""
+        from .layers import LAYERS
+
+        layer = LAYERS[self.model.layer]
+        return layer.verify_kernel if self.mode == "verify" else layer.decode_kernel
 
     @property
     def label(self) -> str:
@@ -127,69 +131,39 @@ class TuneTarget:
                           dtype=self.torch_dtype(), read_copy=self.read_copy)
 
     def shape(self):
-        """The kernel shape decode / verify build for the pool's inputs: perf's bf16 shape with
-        every bf16 field in this dtype, as the pool casts every bf16 input."""
-        import torch
-
-        from .kernels_host import cute_dtype
+        """The kernel Shape decode / verify build for the pool's inputs (perf.DecodePool: the
+        engines' usual arguments in this dtype, on a cache with this read copy)."""
         from .perf import bench_layer
 
-        shape = bench_layer(self.model).kernel_shape(self.model, self.window, self.num_drafts)
-        bf16, dtype = cute_dtype(torch.bfloat16), cute_dtype(self.torch_dtype())
-        shape = dataclasses.replace(shape, **{f.name: dtype for f in dataclasses.fields(shape)
-                                              if getattr(shape, f.name) is bf16})
-        if self.read_copy is None:
-            return shape
-        # A read-copy cache's defaults: GDN keeps (v, beta) and re-derives at a flush.
-        extra = dict(keep_v_beta=True, rederive=True) if self.model.layer == "gdn" else {}
-        return dataclasses.replace(shape, read_copy=self.read_copy, **extra)
+        return bench_layer(self.model).kernel_shape(self.model, self.window, self.num_drafts, self.torch_dtype(),
+                                                    self.read_copy)
 
     def check(self, config) -> Optional[str]:
         """Why the kernel cannot take `config` at this shape, or None."""
-        shape = self.shape()
-        if self.mode != "verify":
-            return config.check(shape)
-        if self.model.layer == "gdn":
-            from .kernels.gdn.verify import GDNVerify as Verify
-        else:
-            from .kernels.mamba2.verify import Mamba2Verify as Verify
-        return Verify.check(shape, config, self.num_drafts)
+        return self.kernel.check(self.shape(), config, self.num_drafts)
 
     def default_config(self, batch: int):
-        """The analytical default decode / verify pick at this batch (kernels_host)."""
-        from . import kernels_host as kh
-
-        P = self.model.headdim
-        whole_head = self.read_copy == "nvfp4"
-        if self.mode == "verify":
-            choose = kh.default_gdn_verify_config if self.model.layer == "gdn" else kh.default_mamba2_verify_config
-            return choose(P, batch, whole_head)
-        if self.model.layer == "gdn":
-            return kh.default_gdn_config(P, batch, self.window, self.shape(), whole_head)
-        return kh.default_mamba2_config(P, batch, self.window, whole_head, self.shape())
+        """The analytical default decode / verify pick at this batch bucket (the kernel's)."""
+        return self.kernel.default_config(self.shape(), batch)
 
     def candidates(self, space: str = "full") -> list:
         """The layer config class's space (kernels/config_space.py) that the kernel takes; with
         `space` "compact", for decode modes only the part where the H200 winners lie
         (``in_compact_space``)."""
-        if self.model.layer == "gdn":
-            from .kernels.gdn.decode import GDNConfig as Config
-        else:
-            from .kernels.mamba2.decode import Mamba2Config as Config
-        configs = [c for c in Config.space(self.model.headdim) if self.check(c) is None]
+        from .layers import LAYERS
+
+        space_of = LAYERS[self.model.layer].launch_config().space
+        configs = [c for c in space_of(self.model.headdim) if self.check(c) is None]
         if space == "compact" and self.mode != "verify":
             configs = [c for c in configs if in_compact_space(c, self.read_copy is not None)]
         return configs
 
     def compile(self, config):
-        """Build (or load) the kernel at `config` through the calls decode / verify make, so
-        that the compile-cache keys are theirs."""
-        from . import precompile
+        """Build (or load) the kernel at `config` into the compile cache, under the key decode /
+        verify look it up by."""
+        from .runtime.launch import compiled
 
-        if self.mode != "verify":
-            return precompile.compile_variant(self.model.layer, self.shape(), config)
-        variant = precompile.DraftVariant(self.label, "verify", self.shape(), config, self.num_drafts)
-        return precompile.compile_draft_variant(self.model.layer, variant)
+        return compiled(self.kernel, self.shape(), config, self.num_drafts)
 
     def accepted_counts(self) -> List[int]:
         """Drafts accepted per row in the verify runs: a = 1 and a = T (verify cannot know a)."""
@@ -245,11 +219,11 @@ class TuneResult:
         return self.default_time_us / self.time_us
 
     def entry(self, platform) -> dict:
-        """Its tuned-config file entry (replayssm_cute.tuning) for `platform`."""
-        from .tuning import tune_key
+        """Its tuned-config file entry (replayssm_cute.runtime.tuning) for `platform`."""
+        from .runtime.tuning import tune_key
 
         t = self.target
-        key = tune_key(t.kernel, t.shape(), t.num_drafts, platform)
+        key = tune_key(t.kernel.name, t.shape(), t.num_drafts, platform)
         return {**key.fields(self.batch),
                 "config": dataclasses.asdict(self.config), "time_us": round(self.time_us, 3),
                 "tbps": round(self.tbps, 4), "default_config": dataclasses.asdict(self.default_config),
@@ -365,7 +339,7 @@ def compile_candidates(jobs, workers: int, arch: str) -> Tuple[Dict[tuple, str],
     unchecked (loaded from the compile cache)."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from .compile_cache import disk_cache_enabled
+    from .runtime.compile_cache import disk_cache_enabled
 
     outcomes = {}
     progress = Progress(f"compile {len(jobs)} kernels for {arch}", len(jobs))
@@ -747,7 +721,7 @@ def _target_arch(compile_only: bool) -> Optional[str]:
     if not (compile_only or torch.cuda.is_available()):
         print(NO_GPU.format(prog=PROG), file=sys.stderr)
         return None
-    from .compile_cache import target_arch
+    from .runtime.compile_cache import target_arch
 
     try:
         return target_arch()
@@ -775,7 +749,7 @@ def main(argv=None) -> int:
     arch = _target_arch(args.compile_only)
     if arch is None:
         return 1
-    from . import tuning
+    from .runtime import launch, tuning
 
     out = args.out or tuning.user_file()
     # a file the winners cannot be written to or merged into fails now, not after tuning
@@ -831,7 +805,7 @@ def main(argv=None) -> int:
             results.append(r)
             # each winner as it comes: a run cut short keeps what it measured
             entries = tuning.write_entries(out, [r.entry(platform)])
-    tuning.reload()
+    launch.reload()
     print(summary(results))
     for r in results:
         for label, why in r.rejected.items():

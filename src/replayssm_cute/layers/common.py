@@ -1,0 +1,57 @@
+"""What the kernels of every layer type share on the host: the checkpoint, the ring's indices
+(cursor, origin, arrivals) and the trailing state-copy arguments (kernels/state_io.py) of their
+argument lists, as a cache holds them; a cache's kernel Shapes, memoised; and the rule of their
+default launch configs for an nvfp4 copy (``whole_head``)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_shapes = weakref.WeakKeyDictionary()  # cache -> {static inputs: kernel Shape}
+
+
+def checkpoint_arg(cache) -> torch.Tensor:
+    """The checkpoint as the kernels take it (fp8 codes as uint8)."""
+    t = cache.checkpoint
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def ring_args(cache, names: tuple) -> tuple:
+    """The ring tensors `names`, cursor, origin and arrivals of a ReplaySSM cache; at window 1
+    only arrivals, and only when SR writes need a per-slot write counter advanced."""
+    if cache.window > 1:
+        return tuple(getattr(cache, n) for n in names) + (cache.cursor, cache.origin, cache.arrivals)
+    return (None,) * (len(names) + 2) + (cache.arrivals if cache.sr_counter is not None else None,)
+
+
+def state_copy_args(cache) -> tuple:
+    """The kernels' trailing state-copy arguments of ``cache`` (kernels/state_io.py): checkpoint
+    scale and state scale, read copy data, scale and state scale, SR seed and counter (None where
+    the configuration has none); fp8 / E4M3 codes as uint8 views."""
+    def codes(t):
+        return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
+
+    return (codes(getattr(cache, "checkpoint_scale", None)), getattr(cache, "checkpoint_state_scale", None),
+            codes(cache.read_copy), codes(getattr(cache, "read_copy_scale", None)),
+            getattr(cache, "read_copy_state_scale", None), cache.sr_seed, cache.sr_counter)
+
+
+def memoised_shape(cache, static: tuple, build):
+    """``build(cache, static)``, the kernel Shape of a call on `cache` with `static` inputs, built
+    once per cache and static inputs (a cache's layout is fixed when it is made): a call then
+    costs two dict lookups instead of a Shape built and compared field by field (~3 us)."""
+    per_cache = _shapes.get(cache)
+    if per_cache is None:
+        per_cache = _shapes[cache] = {}
+    shape = per_cache.get(static)
+    if shape is None:
+        shape = per_cache[static] = build(cache, static)
+    return shape
+
+
+def whole_head(shape) -> bool:
+    """Whether a kernel Shape needs a CTA per head: the writer of an nvfp4 copy needs the whole
+    state's amax."""
+    return "nvfp4" in (shape.checkpoint_format, shape.read_copy)

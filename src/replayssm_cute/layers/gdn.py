@@ -1,0 +1,278 @@
+"""The Gated DeltaNet layer on the host: what the ops of replayssm_cute.api do for a ``GDNCache``.
+
+Arguments follow vLLM's / FlashInfer's GDN decode (api's module docstring): each op's signature,
+their checks (the packed ``mixed_qkv`` rows of decode included), the CPU reference of each op
+(replayssm_cute.reference), and each op's GPU kernel (kernels/gdn/: its ``Kernel`` for the
+runtime, the Shape of a call, its argument list).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import checks
+from ..cache import GDNCache
+from ..runtime.launch import Kernel, cute_dtype
+from .common import checkpoint_arg, memoised_shape, ring_args, state_copy_args, whole_head
+
+
+class GDNInputs(NamedTuple):
+    """A GDN op's validated arguments: token tensors (b, ...) for decode, (b, T, ...) for verify
+    and snapshot_verify (q, k, v views into ``mixed_qkv`` when decode was given that); ``out``
+    allocated if not given."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    slot_ids: torch.Tensor
+    scale: Optional[float]
+    out: torch.Tensor
+
+
+def _gdn_param(name: str, t, HV: int, act, device) -> torch.Tensor:
+    """A_log / dt_bias: (HV,) packed, fp32 or the activation dtype (read as is, in fp32)."""
+    if not isinstance(t, torch.Tensor):
+        checks.fail(name, f"a ({HV},) tensor", type(t).__name__)
+    checks.no_autograd(name, t)
+    if tuple(t.shape) != (HV,):
+        checks.fail(name, f"shape ({HV},)", tuple(t.shape))
+    if t.dtype not in (torch.float32, act):
+        checks.fail(name, f"dtype torch.float32 or {act}", t.dtype)
+    if t.device != device:
+        checks.fail(name, f"a tensor on {device}", t.device)
+    if HV > 1 and t.stride(0) != 1:
+        checks.fail(name, "one value per head, packed (head stride 1)", f"strides {t.stride()}")
+    return t
+
+
+def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
+    """Views q (b, H, K), k (b, H, K), v (b, HV, V) into vLLM's packed [q | k | v] rows."""
+    width = 2 * H * K + HV * V
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != width:
+        checks.fail("mixed_qkv", f"a (batch, {width}) tensor ([q | k | v] = 2 * {H} * {K} + {HV} * {V})",
+                    getattr(mixed_qkv, "shape", type(mixed_qkv).__name__))
+    checks.no_autograd("mixed_qkv", mixed_qkv)
+    if mixed_qkv.dtype != act:
+        checks.fail("mixed_qkv", f"dtype {act} (the cache's activation dtype; no implicit casts)", mixed_qkv.dtype)
+    if mixed_qkv.device != device:
+        checks.fail("mixed_qkv", f"a tensor on {device}", mixed_qkv.device)
+    if mixed_qkv.stride(1) != 1:
+        checks.fail("mixed_qkv", "a packed last dim (stride 1); any row stride", f"strides {mixed_qkv.stride()}")
+    b, rs, off = mixed_qkv.shape[0], mixed_qkv.stride(0), mixed_qkv.storage_offset()
+    q = mixed_qkv.as_strided((b, H, K), (rs, K, 1), off)
+    k = mixed_qkv.as_strided((b, H, K), (rs, K, 1), off + H * K)
+    v = mixed_qkv.as_strided((b, HV, V), (rs, V, 1), off + 2 * H * K)
+    return q, k, v
+
+
+def _decode_default(shape, bucket: int):
+    from ..kernels.gdn.config import default_gdn_config
+
+    return default_gdn_config(shape.head_v_dim, bucket, shape.window, shape, whole_head(shape))
+
+
+def _decode_check(shape, config, num_drafts: int):
+    return config.check(shape)
+
+
+def _decode_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.gdn.decode import compile_decode
+
+    return compile_decode(shape, config, options)
+
+
+def _verify_default(shape, bucket: int):
+    from ..kernels.gdn.config import default_gdn_verify_config
+
+    return default_gdn_verify_config(shape.head_v_dim, bucket, whole_head(shape))
+
+
+def _verify_check(shape, config, num_drafts: int):
+    from ..kernels.gdn.verify import GDNVerify
+
+    return GDNVerify.check(shape, config, num_drafts)
+
+
+def _verify_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.gdn.verify import compile_verify
+
+    return compile_verify(shape, config, num_drafts, options)
+
+
+def _snapshot_default(shape, bucket: int):
+    from ..kernels.gdn.config import default_gdn_snapshot_config
+
+    return default_gdn_snapshot_config(shape.head_v_dim, bucket)
+
+
+def _snapshot_check(shape, config, num_drafts: int):
+    from ..kernels.gdn.snapshot import GDNSnapshot
+
+    return GDNSnapshot.check(shape, config, num_drafts)
+
+
+def _snapshot_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.gdn.snapshot import compile_snapshot
+
+    return compile_snapshot(shape, config, num_drafts, options)
+
+
+def _shape(cache, static: tuple):
+    """The kernel Shape of a call on `cache` with `static` inputs (``GDNLayer.shape`` memoises it)."""
+    from ..kernels.gdn.config import GDNShape
+
+    gate_dtype, A_log_dtype, dt_bias_dtype, scale = static
+    rederive = cache.window > 1 and cache.flush_corrections == "rederive"
+    return GDNShape(cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads, cache.window,
+                    cache.capacity, cute_dtype(cache.dtype), cute_dtype(gate_dtype), cute_dtype(A_log_dtype),
+                    cute_dtype(dt_bias_dtype), float(scale or 0.0), cache.keep_v_beta, cache.pad_slot_id,
+                    cache.checkpoint_format, cache.read_copy_format, rederive)
+
+
+class GDNLayer:
+    """Gated DeltaNet on the host (module docstring); the op protocol as ``Mamba2Layer``'s."""
+
+    name = "gdn"
+    cache_type = GDNCache
+    tokens = "v"  # the token tensor: its leading dims are (batch,) or (batch, T)
+    # verify's packed (varlen) form: the token tensors laid out (total_tokens, ...), then the optional ones
+    packed_tokens = ("q", "k", "v", "a", "b")
+    packed_optional_tokens = ()
+    decode_kernel = Kernel("gdn_decode", "decode", _decode_default, _decode_check, _decode_build)
+    verify_kernel = Kernel("gdn_verify", "verify", _verify_default, _verify_check, _verify_build,
+                           per_draft_count=True)
+    snapshot_kernel = Kernel("gdn_snapshot", "snapshot_verify", _snapshot_default, _snapshot_check,
+                             _snapshot_build, per_draft_count=True)
+
+    @staticmethod
+    def launch_config():
+        """The launch config class of the GDN kernels (imports cutlass)."""
+        from ..kernels.gdn.config import GDNConfig
+
+        return GDNConfig
+
+    @staticmethod
+    def decode_args(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None, *,
+                    scale=None, out=None, mixed_qkv=None):
+        """decode's arguments by name (q = k = v = None with the packed ``mixed_qkv``)."""
+        return locals()
+
+    @staticmethod
+    def verify_args(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None):
+        """verify's arguments by name: decode's with tokens (b, T, ...), no ``mixed_qkv``."""
+        return locals()
+
+    @staticmethod
+    def snapshot_verify_args(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, snapshots, *, scale=None, out=None):
+        """snapshot_verify's arguments by name."""
+        return locals()
+
+    @staticmethod
+    def inputs(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, mixed_qkv=None, *,
+               drafts: bool) -> GDNInputs:
+        """Validated GDN arguments; with `drafts` every token tensor has a draft axis after batch."""
+        HV, V, K, H = cache.num_v_heads, cache.head_v_dim, cache.head_k_dim, cache.num_k_heads
+        device = cache.checkpoint.device
+        act = cache.dtype
+        if mixed_qkv is not None:
+            if drafts:
+                checks.fail("mixed_qkv", "None for verify (pass q, k, v laid out (batch, T, ...))", "a tensor")
+            if q is not None or k is not None or v is not None:
+                checks.fail("mixed_qkv", "q, k and v to be None when mixed_qkv is given", "both")
+            q, k, v = _split_mixed_qkv(mixed_qkv, H, K, HV, V, act, device)
+        rank = 4 if drafts else 3
+        if not isinstance(v, torch.Tensor) or v.dim() != rank:
+            checks.fail("v", f"a (batch, T, {HV}, {V}) tensor" if drafts else
+                        f"a (batch, {HV}, {V}) tensor (or mixed_qkv)", getattr(v, "shape", type(v).__name__))
+        lead = tuple(v.shape[:rank - 2])  # (b,) or (b, T)
+        # Scalar loads on the GPU: any batch stride and alignment, inner dims packed.
+        q = checks.activation("q", q, lead + (H, K), act, device, aligned=False)
+        k = checks.activation("k", k, lead + (H, K), act, device, aligned=False)
+        v = checks.activation("v", v, lead + (HV, V), act, device, aligned=False)
+        if not isinstance(a, torch.Tensor) or a.dtype not in (act, torch.float32):
+            checks.fail("a", f"a {lead + (HV,)} tensor of dtype {act} or torch.float32",
+                        getattr(a, "dtype", type(a).__name__))
+        a = checks.activation("a", a, lead + (HV,), a.dtype, device, aligned=False)
+        b = checks.activation("b", b, lead + (HV,), a.dtype, device, aligned=False)
+        A_log = _gdn_param("A_log", A_log, HV, act, device)
+        dt_bias = _gdn_param("dt_bias", dt_bias, HV, act, device)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not 0 < scale < float("inf")):
+            checks.fail("scale", "None or a positive finite float", scale)
+        slot_ids = checks.slot_ids(slot_ids, lead[0], device)
+        if out is None:  # zeros: the rows a step skips must not come back as stale memory
+            out = torch.zeros(lead + (HV, V), dtype=act, device=device)
+        else:
+            out = checks.activation("out", out, lead + (HV, V), act, device, aligned=False)
+        if checks.debug_host_checks(device):
+            checks.slots_in_pool(cache, slot_ids)
+        return GDNInputs(q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+
+    @staticmethod
+    def static_inputs(inputs: GDNInputs) -> tuple:
+        """What a call fixes about its kernel besides the cache: the gate, A_log and dt_bias
+        dtypes and the q scale."""
+        return inputs.a.dtype, inputs.A_log.dtype, inputs.dt_bias.dtype, inputs.scale
+
+    @staticmethod
+    def engine_inputs(act_dtype: torch.dtype, with_z: bool = False) -> tuple:
+        """The ``static_inputs`` of the serving engines' usual call: the gates a, b in the
+        activation dtype, fp32 A_log and dt_bias, the default q scale. GDN has no gated variant
+        (`with_z`): its output gate (RMSNorm, silu(z)) is applied outside the kernel."""
+        if with_z:
+            raise ValueError("GDN kernels take no z: the output gate is applied outside the kernel")
+        return act_dtype, torch.float32, torch.float32, None
+
+    @staticmethod
+    def shape(cache, static: tuple):
+        """The kernel Shape (kernels/gdn/config.py) of a call on `cache` with `static`
+        (``static_inputs``); the same for every op (snapshot_verify's cache is conventional).
+        Memoised per cache and static inputs (``common.memoised_shape``)."""
+        return memoised_shape(cache, static, _shape)
+
+    # ------------------------------------------------------------------------------------ decode
+
+    @staticmethod
+    def decode_reference(cache, i: GDNInputs):
+        from ..reference import gdn_decode_cache_
+
+        return gdn_decode_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, scale=i.scale,
+                                 out=i.out)
+
+    @staticmethod
+    def decode_kernel_args(cache, i: GDNInputs) -> tuple:
+        return (checkpoint_arg(cache), i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out,
+                *ring_args(cache, ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta")), *state_copy_args(cache))
+
+    # ------------------------------------------------------------------------------------ verify
+
+    @staticmethod
+    def verify_reference(cache, i: GDNInputs) -> None:
+        from ..reference import gdn_verify_cache_
+
+        gdn_verify_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, scale=i.scale, out=i.out)
+
+    @staticmethod
+    def verify_kernel_args(cache, i: GDNInputs) -> tuple:
+        return (checkpoint_arg(cache), i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out, cache.ring_u,
+                cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin,
+                *state_copy_args(cache))
+
+    # --------------------------------------------------------------------------- snapshot_verify
+
+    @staticmethod
+    def snapshot_reference(cache, i: GDNInputs, snapshots: torch.Tensor):
+        from ..reference import gdn_snapshot_verify_cache_
+
+        return gdn_snapshot_verify_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, snapshots,
+                                          scale=i.scale, out=i.out)
+
+    @staticmethod
+    def snapshot_kernel_args(cache, i: GDNInputs, snapshots: torch.Tensor) -> tuple:
+        return (cache.checkpoint, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out, snapshots)

@@ -1,0 +1,265 @@
+"""The Mamba-2 layer on the host: what the ops of replayssm_cute.api do for a ``Mamba2Cache``.
+
+Arguments follow vLLM's ``selective_state_update`` (api's module docstring): each op's signature,
+their checks, the CPU reference of each op (replayssm_cute.reference), and each op's GPU kernel
+(kernels/mamba2/: its ``Kernel`` for the runtime, the Shape of a call, its argument list).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import checks
+from ..cache import Mamba2Cache
+from ..runtime.launch import Kernel, cute_dtype
+from .common import checkpoint_arg, memoised_shape, ring_args, state_copy_args, whole_head
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Mamba2Inputs(NamedTuple):
+    """A Mamba-2 op's validated arguments: token tensors (b, ...) for decode, (b, T, ...) for
+    verify and snapshot_verify; A, D, dt_bias as (H,) views; ``out`` allocated if not given."""
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    slot_ids: torch.Tensor
+    D: Optional[torch.Tensor]
+    z: Optional[torch.Tensor]
+    dt_bias: Optional[torch.Tensor]
+    dt_softplus: bool
+    out: torch.Tensor
+
+
+def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, device) -> Optional[torch.Tensor]:
+    """Accept (H,) or a stride-0 expansion (H, *trailing); return the (H,) fp32 view."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        checks.fail(name, "a torch.Tensor", type(t).__name__)
+    checks.no_autograd(name, t)
+    if t.dtype != torch.float32:
+        checks.fail(name, "dtype torch.float32", t.dtype)
+    if t.device != device:
+        checks.fail(name, f"a tensor on {device}", t.device)
+    if t.dim() > 1:
+        if tuple(t.shape) != (H,) + trailing or any(st != 0 for st in t.stride()[1:]):
+            checks.fail(name, f"shape ({H},) or a stride-0 expansion of shape {(H,) + trailing}",
+                        f"shape {tuple(t.shape)} strides {t.stride()}")
+        t = t[(slice(None),) + (0,) * len(trailing)]
+    if tuple(t.shape) != (H,):
+        checks.fail(name, f"shape ({H},)", tuple(t.shape))
+    if H > 1 and t.stride(0) != 1:
+        checks.fail(name, "one value per head, packed (head stride 1)", f"strides {t.stride()}")
+    return t
+
+
+def _decode_default(shape, bucket: int):
+    from ..kernels.mamba2.config import default_mamba2_config
+
+    return default_mamba2_config(shape.headdim, bucket, shape.window, whole_head(shape), shape)
+
+
+def _decode_check(shape, config, num_drafts: int):
+    return config.check(shape)
+
+
+def _decode_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.mamba2.decode import compile_decode
+
+    return compile_decode(shape, config, options)
+
+
+def _verify_default(shape, bucket: int):
+    from ..kernels.mamba2.config import default_mamba2_verify_config
+
+    return default_mamba2_verify_config(shape.headdim, bucket, whole_head(shape))
+
+
+def _verify_check(shape, config, num_drafts: int):
+    from ..kernels.mamba2.verify import Mamba2Verify
+
+    return Mamba2Verify.check(shape, config, num_drafts)
+
+
+def _verify_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.mamba2.verify import compile_verify
+
+    return compile_verify(shape, config, num_drafts, options)
+
+
+def _snapshot_default(shape, bucket: int):
+    from ..kernels.mamba2.config import default_mamba2_snapshot_config
+
+    return default_mamba2_snapshot_config(shape.headdim, bucket)
+
+
+def _snapshot_check(shape, config, num_drafts: int):
+    from ..kernels.mamba2.snapshot import Mamba2Snapshot
+
+    return Mamba2Snapshot.check(shape, config, num_drafts)
+
+
+def _snapshot_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.mamba2.snapshot import compile_snapshot
+
+    return compile_snapshot(shape, config, num_drafts, options)
+
+
+def _shape(cache, static: tuple):
+    """The kernel Shape of a call on `cache` with `static` inputs (``Mamba2Layer.shape`` memoises it)."""
+    from ..kernels.mamba2.config import Mamba2Shape
+
+    dt_dtype, has_D, has_z, has_dt_bias, dt_softplus = static
+    return Mamba2Shape(cache.nheads, cache.headdim, cache.dstate, cache.ngroups, cache.window, cache.capacity,
+                       cute_dtype(cache.dtype), cute_dtype(dt_dtype), has_D, has_z, has_dt_bias, dt_softplus,
+                       cache.pad_slot_id, cache.checkpoint_format, cache.read_copy_format)
+
+
+class Mamba2Layer:
+    """Mamba-2 on the host (module docstring). Each op binds its arguments by name (``*_args``),
+    ``inputs`` checks them, then the op runs its ``*_reference`` on the CPU, or on the GPU
+    launches its ``*_kernel`` on the ``shape`` of the cache and the call's ``static_inputs``
+    with its ``*_kernel_args``."""
+
+    name = "mamba2"
+    cache_type = Mamba2Cache
+    tokens = "x"  # the token tensor: its leading dims are (batch,) or (batch, T)
+    # verify's packed (varlen) form: the token tensors laid out (total_tokens, ...), then the optional ones
+    packed_tokens = ("x", "dt", "B", "C")
+    packed_optional_tokens = ("z",)
+    decode_kernel = Kernel("mamba2_decode", "decode", _decode_default, _decode_check, _decode_build)
+    verify_kernel = Kernel("mamba2_verify", "verify", _verify_default, _verify_check, _verify_build,
+                           per_draft_count=True)
+    snapshot_kernel = Kernel("mamba2_snapshot", "snapshot_verify", _snapshot_default, _snapshot_check,
+                             _snapshot_build, per_draft_count=True)
+
+    @staticmethod
+    def launch_config():
+        """The launch config class of the Mamba-2 kernels (imports cutlass)."""
+        from ..kernels.mamba2.config import Mamba2Config
+
+        return Mamba2Config
+
+    @staticmethod
+    def decode_args(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False, out=None):
+        """decode's arguments by name (verify takes the same, tokens (b, T, ...))."""
+        return locals()
+
+    verify_args = decode_args
+
+    @staticmethod
+    def snapshot_verify_args(cache, x, dt, A, B, C, slot_ids, snapshots, D=None, z=None, dt_bias=None,
+                             dt_softplus=False, out=None):
+        """snapshot_verify's arguments by name."""
+        return locals()
+
+    @staticmethod
+    def inputs(cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, *, drafts: bool) -> Mamba2Inputs:
+        """Validated Mamba-2 arguments; with `drafts` every token tensor has a draft axis after batch."""
+        H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+        device = cache.checkpoint.device
+        rank = 4 if drafts else 3
+        if not isinstance(x, torch.Tensor) or x.dim() != rank:
+            checks.fail("x", "a (batch, T, nheads, headdim) tensor" if drafts else "a (batch, nheads, headdim) tensor",
+                        getattr(x, "shape", type(x).__name__))
+        lead = tuple(x.shape[:rank - 2])  # (b,) or (b, T)
+        if x.dtype not in _ACT_DTYPES:
+            checks.fail("x", f"one of {_ACT_DTYPES}", x.dtype)
+        act = cache.dtype
+        x = checks.activation("x", x, lead + (H, P), act, device)
+        if not isinstance(dt, torch.Tensor):
+            checks.fail("dt", "a torch.Tensor", type(dt).__name__)
+        if dt.dim() == rank:
+            if tuple(dt.shape) != lead + (H, P) or dt.stride(-1) != 0:
+                checks.fail("dt", f"shape {lead + (H,)} or a stride-0 expansion of shape {lead + (H, P)}",
+                            f"shape {tuple(dt.shape)} strides {dt.stride()}")
+            dt = dt[..., 0]
+        if dt.dtype not in (act, torch.float32):
+            checks.fail("dt", f"dtype {act} or torch.float32", dt.dtype)
+        dt = checks.activation("dt", dt, lead + (H,), dt.dtype, device, aligned=False)
+        if A is None:
+            checks.fail("A", "a tensor", None)
+        A = _per_head("A", A, H, (P, N), device)
+        D = _per_head("D", D, H, (P,), device)
+        dt_bias = _per_head("dt_bias", dt_bias, H, (P,), device)
+        B = checks.activation("B", B, lead + (G, N), act, device)
+        C = checks.activation("C", C, lead + (G, N), act, device)
+        if z is not None:
+            z = checks.activation("z", z, lead + (H, P), act, device)
+        slot_ids = checks.slot_ids(slot_ids, lead[0], device)
+        if out is None:  # zeros: the rows a step skips must not come back as stale memory
+            out = torch.zeros(lead + (H, P), dtype=act, device=device)
+        else:
+            out = checks.activation("out", out, lead + (H, P), act, device)
+        if not isinstance(dt_softplus, bool):
+            checks.fail("dt_softplus", "a bool", type(dt_softplus).__name__)
+        if checks.debug_host_checks(device):
+            checks.slots_in_pool(cache, slot_ids)
+        return Mamba2Inputs(x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+
+    @staticmethod
+    def static_inputs(inputs: Mamba2Inputs) -> tuple:
+        """What a call fixes about its kernel besides the cache: dt dtype, has_D, has_z,
+        has_dt_bias, dt_softplus."""
+        return (inputs.dt.dtype, inputs.D is not None, inputs.z is not None, inputs.dt_bias is not None,
+                inputs.dt_softplus)
+
+    @staticmethod
+    def engine_inputs(act_dtype: torch.dtype, with_z: bool = False) -> tuple:
+        """The ``static_inputs`` of the serving engines' usual call: dt in the activation dtype,
+        D and dt_bias given, dt_softplus on, z with `with_z` (the gated variant)."""
+        return act_dtype, True, with_z, True, True
+
+    @staticmethod
+    def shape(cache, static: tuple):
+        """The kernel Shape (kernels/mamba2/config.py) of a call on `cache` with `static`
+        (``static_inputs``); the same for every op (snapshot_verify's cache is conventional).
+        Memoised per cache and static inputs (``common.memoised_shape``)."""
+        return memoised_shape(cache, static, _shape)
+
+    # ------------------------------------------------------------------------------------ decode
+
+    @staticmethod
+    def decode_reference(cache, i: Mamba2Inputs):
+        from ..reference import mamba2_decode_cache_
+
+        return mamba2_decode_cache_(cache, i.x, i.dt, i.A, i.B, i.C, i.slot_ids, D=i.D, z=i.z, dt_bias=i.dt_bias,
+                                    dt_softplus=i.dt_softplus, out=i.out)
+
+    @staticmethod
+    def decode_kernel_args(cache, i: Mamba2Inputs) -> tuple:
+        return (checkpoint_arg(cache), i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out,
+                *ring_args(cache, ("ring_x", "ring_B", "ring_dt")), *state_copy_args(cache))
+
+    # ------------------------------------------------------------------------------------ verify
+
+    @staticmethod
+    def verify_reference(cache, i: Mamba2Inputs) -> None:
+        from ..reference import mamba2_verify_cache_
+
+        mamba2_verify_cache_(cache, i.x, i.dt, i.A, i.B, i.C, i.slot_ids, D=i.D, z=i.z, dt_bias=i.dt_bias,
+                             dt_softplus=i.dt_softplus, out=i.out)
+
+    @staticmethod
+    def verify_kernel_args(cache, i: Mamba2Inputs) -> tuple:
+        return (checkpoint_arg(cache), i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out,
+                cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin, *state_copy_args(cache))
+
+    # --------------------------------------------------------------------------- snapshot_verify
+
+    @staticmethod
+    def snapshot_reference(cache, i: Mamba2Inputs, snapshots: torch.Tensor):
+        from ..reference import mamba2_snapshot_verify_cache_
+
+        return mamba2_snapshot_verify_cache_(cache, i.x, i.dt, i.A, i.B, i.C, i.slot_ids, snapshots, D=i.D, z=i.z,
+                                             dt_bias=i.dt_bias, dt_softplus=i.dt_softplus, out=i.out)
+
+    @staticmethod
+    def snapshot_kernel_args(cache, i: Mamba2Inputs, snapshots: torch.Tensor) -> tuple:
+        return (cache.checkpoint, i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out, snapshots)

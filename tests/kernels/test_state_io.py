@@ -1,0 +1,114 @@
+"""The kernels' state-copy reads and writes (kernels/state_io.py) against replayssm_cute.quant and
+the cache's SR bits (cache.checkpoint_sr_bits).
+
+CPU: the probe kernel (tests/kernels/_state_io_kernel.py) compiles every format, RTN and SR, for
+sm_90a, sm_100a and sm_103a without local memory. GPU (marked): the stored codes and scales equal the
+reference's bit for bit (RTN; SR given the same bits), including rows with large dynamic range,
+zero blocks and a non-finite state; decoding the stored copy gives quant's decoded values.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replayssm_cute import quant
+from replayssm_cute.cache import checkpoint_sr_bits
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_state_io_probe_compiles_for_every_target(arch, tmp_path):
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, REPLAYSSM_CUTE_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, str(HERE / "_state_io_kernel.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("compiled") == 6
+    ptx_files = list(tmp_path.glob("*.ptx"))
+    assert len(ptx_files) == 6, [p.name for p in ptx_files]
+    for path in ptx_files:
+        ptx = path.read_text()
+        assert re.search(rf"^\.target {arch}\b", ptx, re.M)
+        assert ".local" not in ptx
+        assert "mul.lo.s32" in ptx or "mul.lo.u32" in ptx or "rtn" in path.name  # SR: fmix32 rounds
+        if "fp8" in path.name:
+            assert "div.rp.f32" in ptx and "rcp.rz.f32" in ptx and "max.NaN.f32" in ptx
+        if "nvfp4" in path.name:  # the read-back decodes E2M1 in hardware where the target can
+            assert ("cvt.rn.f16x2.e2m1x2" in ptx) == (arch != "sm_90a"), path.name
+
+
+def _states(slots: int, heads: int, rows: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """Random states with per-row magnitudes over many binades, a zero row and a zero block."""
+    x = torch.randn(slots, heads, rows, K, generator=gen)
+    x = x * torch.exp2(torch.randint(-20, 12, (slots, heads, rows, 1), generator=gen).float())
+    x[0, 0, 1] = 0.0
+    x[0, 1, 2, :16] = 0.0
+    x[1, 0, 0, 5] = 1e-42  # a subnormal
+    return x
+
+
+def _unsigned_nan(codes: torch.Tensor) -> torch.Tensor:
+    return torch.where(codes & 0x7F == 0x7F, torch.full_like(codes, 0x7F), codes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["fp16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("K", [64, 128])
+def test_state_io_matches_the_reference(fmt_name, stochastic, K):
+    from tests.kernels._state_io_kernel import compile_probe
+
+    dev = torch.device("cuda")
+    slots, heads, rows = 3, 2, 8
+    gen = torch.Generator().manual_seed(11 + K)
+    x = _states(slots, heads, rows, K, gen)
+    x[2, 1, 3, 7] = float("inf")  # the (2, 1) state is not finite
+    fmt = quant.FP8E4M3(block_k=128 if K % 128 == 0 else K) if fmt_name == "fp8" else quant.FORMATS[fmt_name]
+    seed, counter = 0x5EED1234, torch.tensor([0, 7, 2**31 - 1], dtype=torch.int32)
+
+    probe = compile_probe(fmt_name, K, heads, rows, stochastic)
+    if fmt_name == "fp16":
+        data = torch.empty(slots, heads, rows, K, dtype=torch.float16, device=dev)
+    else:
+        cols = K // 2 if fmt_name == "nvfp4" else K
+        data = torch.empty(slots, heads, rows, cols, dtype=torch.uint8, device=dev)
+    scale = state_scale = None
+    if fmt_name == "fp8":
+        scale = torch.empty(slots, heads, rows, K // fmt.block_k, dtype=torch.float32, device=dev)
+    if fmt_name == "nvfp4":
+        scale = torch.empty(slots, heads, rows, K // 16, dtype=torch.uint8, device=dev)
+        state_scale = torch.empty(slots, heads, dtype=torch.float32, device=dev)
+    back = torch.empty(slots, heads, rows, K, dtype=torch.float32, device=dev)
+    probe(x.to(dev), data, scale, state_scale, torch.tensor([seed], dtype=torch.int64, device=dev),
+          counter.to(dev), back)
+    torch.cuda.synchronize()
+
+    for s in range(slots):
+        xs = x[s]
+        if stochastic:
+            bits = checkpoint_sr_bits(seed, s, int(counter[s]), (heads, rows, K))
+            ref = fmt.encode_sr(xs, bits)
+        else:
+            ref = fmt.encode_rtn(xs)
+        got = data[s].cpu()
+        want = ref.data.view(torch.uint8) if fmt_name != "fp16" else ref.data
+        if fmt_name == "fp16":
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"slot {s}"
+        else:
+            if fmt_name == "fp8":  # the sign of a NaN made by Inf * 0 is the platform's (x86: set)
+                got, want = _unsigned_nan(got), _unsigned_nan(want)
+            assert torch.equal(got, want), f"slot {s}: {(got != want).sum()} codes differ"
+        if fmt_name == "fp8":
+            assert torch.equal(scale[s].cpu().view(torch.int32), ref.scales[0].view(torch.int32))
+        if fmt_name == "nvfp4":
+            assert torch.equal(scale[s].cpu(), ref.scales[0].view(torch.uint8))
+            assert torch.equal(state_scale[s].cpu(), ref.scales[1], ) or (
+                torch.isnan(ref.scales[1]) == torch.isnan(state_scale[s].cpu())).all()
+        finite = torch.isfinite(ref.dequantized)
+        assert torch.equal(back[s].cpu()[finite], ref.dequantized[finite]), f"slot {s}: decoded values"
+        assert torch.equal(torch.isnan(back[s].cpu()), torch.isnan(ref.dequantized))
