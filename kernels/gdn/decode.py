@@ -582,7 +582,7 @@ class GDNDecode:
                         mArrivals[slot] = Int32(0)
 
 
-def _fake_inputs(shape: GDNShape):
+def fake_inputs(shape: GDNShape):
     """Fake tensors with symbolic batch and slot dims, matching what the API passes: activation
     rows take any batch stride (q, k, v may be views into vLLM's packed mixed_qkv)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
@@ -635,5 +635,5 @@ def compile_decode(shape: GDNShape, config: GDNConfig, options: str):
     """Compile with `options` (TVM-FFI and the target arch); the entry point launches on the
     caller's current CUDA stream, so CUDA-graph capture records it."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = _fake_inputs(shape)
+    args = fake_inputs(shape)
     return cute.compile(GDNDecode(shape, config), *args.values(), stream, options=options)

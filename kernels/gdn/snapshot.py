@@ -185,9 +185,9 @@ def compile_snapshot(shape: GDNShape, config: GDNConfig, num_drafts: int, option
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from ..state_io import COPY_ARGS
-    from .verify import _fake_inputs
+    from .verify import fake_inputs
 
-    args = _fake_inputs(shape, num_drafts)
+    args = fake_inputs(shape, num_drafts)
     for name in ("mRingU", "mRingK", "mRingG", "mRingV", "mRingBeta", "mCursor", "mOrigin", *COPY_ARGS):
         args.pop(name)  # verify's, not the snapshot's
     HV, V, K = shape.num_v_heads, shape.head_v_dim, shape.head_k_dim

@@ -425,7 +425,7 @@ class GDNVerify(DraftStepKernel):
                         mRingBeta[slot64, (origin + lane) % cap, vhead] = beta_j
 
 
-def _fake_inputs(shape: GDNShape, num_drafts: int):
+def fake_inputs(shape: GDNShape, num_drafts: int):
     """Fake tensors with symbolic batch and slot dims; draft tokens laid out (b, T, ...), any
     batch stride (q, k, v may be views into a packed mixed_qkv)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
@@ -474,5 +474,5 @@ def _fake_inputs(shape: GDNShape, num_drafts: int):
 def compile_verify(shape: GDNShape, config: GDNConfig, num_drafts: int, options: str):
     """Compile with `options`; launches on the caller's current CUDA stream (graph capturable)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = _fake_inputs(shape, num_drafts)
+    args = fake_inputs(shape, num_drafts)
     return cute.compile(GDNVerify(shape, config, num_drafts), *args.values(), stream, options=options)

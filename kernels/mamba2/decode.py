@@ -417,7 +417,7 @@ class Mamba2Decode:
                         mArrivals[slot] = Int32(0)
 
 
-def _fake_inputs(shape: Mamba2Shape):
+def fake_inputs(shape: Mamba2Shape):
     """Fake tensors with symbolic batch and slot dims, matching what the API passes.
 
     Activation rows may be views into wider tensors (any batch stride), but their base and batch
@@ -474,5 +474,5 @@ def compile_decode(shape: Mamba2Shape, config: Mamba2Config, options: str):
     """Compile with `options` (TVM-FFI and the target arch); the entry point launches on the
     caller's current CUDA stream, so CUDA-graph capture records it."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = _fake_inputs(shape)
+    args = fake_inputs(shape)
     return cute.compile(Mamba2Decode(shape, config), *args.values(), stream, options=options)

@@ -158,9 +158,9 @@ def compile_snapshot(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int, 
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     from ..state_io import COPY_ARGS
-    from .verify import _fake_inputs
+    from .verify import fake_inputs
 
-    args = _fake_inputs(shape, num_drafts)
+    args = fake_inputs(shape, num_drafts)
     for name in ("mRingX", "mRingB", "mRingDt", "mCursor", "mOrigin", *COPY_ARGS):
         args.pop(name)  # verify's, not the snapshot's
     H, P, N = shape.nheads, shape.headdim, shape.dstate

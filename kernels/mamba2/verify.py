@@ -362,7 +362,7 @@ class Mamba2Verify(DraftStepKernel):
                     mRingDt[slot64, (origin + lane) % cap, head] = dt_j
 
 
-def _fake_inputs(shape: Mamba2Shape, num_drafts: int):
+def fake_inputs(shape: Mamba2Shape, num_drafts: int):
     """Fake tensors with symbolic batch and slot dims; draft tokens laid out (b, T, ...)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
@@ -409,5 +409,5 @@ def _fake_inputs(shape: Mamba2Shape, num_drafts: int):
 def compile_verify(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int, options: str):
     """Compile with `options`; launches on the caller's current CUDA stream (graph capturable)."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    args = _fake_inputs(shape, num_drafts)
+    args = fake_inputs(shape, num_drafts)
     return cute.compile(Mamba2Verify(shape, config, num_drafts), *args.values(), stream, options=options)

@@ -336,12 +336,12 @@ def target_platforms(device_name: Optional[str], arch: str) -> list:
     that of the device named (None: of the active platform's device, the visible GPU); with
     neither, None (no tuned configs: the defaults, as decode without a GPU) and that of every
     device with tuned configs."""
-    from .runtime.compile_cache import _cutlass_version
+    from .runtime.compile_cache import cutlass_version
     from .runtime.launch import active_platform
     from .version import __version__
 
     def on(device):
-        return tuning.Platform(device, arch, __version__, _cutlass_version())
+        return tuning.Platform(device, arch, __version__, cutlass_version())
 
     if device_name is None:
         active = active_platform()

@@ -90,7 +90,7 @@ def test_every_key_component_changes_the_file_name(monkeypatch):
 
     for attr, value in [
         ("_package_version", "0.1.1"),
-        ("_cutlass_version", "4.8.2"),
+        ("cutlass_version", "4.8.2"),
         ("kernel_source_hash", "0" * 64),
     ]:
         with monkeypatch.context() as m:

@@ -197,7 +197,7 @@ from replayssm_cute import __version__
 from replayssm_cute.kernels import commit as kc
 from replayssm_cute.layers import LAYERS
 from replayssm_cute.runtime import launch, tuning
-from replayssm_cute.runtime.compile_cache import _cutlass_version
+from replayssm_cute.runtime.compile_cache import cutlass_version
 from replayssm_cute.kernels.gdn import decode as gd, verify as gv
 from replayssm_cute.kernels.mamba2 import decode as md, verify as mv
 from replayssm_cute.models import get_model
@@ -219,7 +219,7 @@ static = (dtype, f32, f32, None) if m.layer == "gdn" else (dtype, True, False, T
 decode = lambda cache, batch: launch.launcher(layer.decode_kernel, layer.shape(cache, static), 0, batch)
 verify = lambda cache, T, batch: launch.launcher(layer.verify_kernel, layer.shape(cache, static), T, batch)
 for device in devices:
-    platform = device and tuning.Platform(device, arch, __version__, _cutlass_version())
+    platform = device and tuning.Platform(device, arch, __version__, cutlass_version())
     with launch.use_platform(platform):
         for batch in tuning.BATCH_BUCKETS:
             for cache in caches:
@@ -516,9 +516,9 @@ TUNED_MODELS = sorted(n for n, m in MODELS.items() if _entries_of(m))
 
 def _h200(arch="sm_90a"):
     from replayssm_cute import __version__
-    from replayssm_cute.runtime.compile_cache import _cutlass_version
+    from replayssm_cute.runtime.compile_cache import cutlass_version
 
-    return tuning.Platform(H200, arch, __version__, _cutlass_version())
+    return tuning.Platform(H200, arch, __version__, cutlass_version())
 
 
 class _Lookups:

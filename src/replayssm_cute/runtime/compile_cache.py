@@ -172,7 +172,7 @@ def _package_version() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _cutlass_version() -> str:
+def cutlass_version() -> str:
     import cutlass
 
     return str(cutlass.__version__)
@@ -219,7 +219,7 @@ def full_key(name: str, key: tuple) -> tuple:
         _canon(key),
         target_arch(),
         _package_version(),
-        _cutlass_version(),
+        cutlass_version(),
         kernel_source_hash(),
     )
 

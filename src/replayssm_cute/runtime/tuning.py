@@ -166,9 +166,9 @@ def current_platform() -> Optional[Platform]:
     if not torch.cuda.is_available():
         return None
     from ..version import __version__
-    from .compile_cache import _cutlass_version, target_arch
+    from .compile_cache import cutlass_version, target_arch
 
-    return Platform(torch.cuda.get_device_name(), target_arch(), __version__, _cutlass_version())
+    return Platform(torch.cuda.get_device_name(), target_arch(), __version__, cutlass_version())
 
 
 def user_file() -> Path:
