@@ -25,7 +25,7 @@ def test_device_tag(rf, name, tag):
 
 def test_default_out(rf):
     day = datetime.date(2026, 12, 1)
-    assert rf.default_out("decode", "h200", day=day) == rf.RESULTS / "relation_ours_h200_2026-12-01.csv"
+    assert rf.default_out("decode", "h200", day=day) == rf.RESULTS / "decode_h200_2026-12-01.csv"
     assert rf.default_out("verify", "cpu", quick=True, day=day) == rf.RESULTS / "verify_cpu_2026-12-01_quick.csv"
     assert rf.default_out("decode", "h200").name == f"decode_h200_{datetime.date.today().isoformat()}.csv"
 
