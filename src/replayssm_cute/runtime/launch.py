@@ -69,7 +69,7 @@ def launcher(kernel: Kernel, shape, num_drafts: int, batch: int, config=None):
     key = (kernel, shape, num_drafts, batch_bucket(batch), config)
     fn = _launchers.get(key)
     if fn is None:
-        cfg = config if config is not None else _pick(kernel, shape, num_drafts, key[3])
+        cfg = config if config is not None else picked_config(kernel, shape, batch, num_drafts)[0]
         reason = kernel.check(shape, cfg, num_drafts)
         if reason is not None:
             arg = "config" if config is not None else "cache"
@@ -98,10 +98,6 @@ def picked_config(kernel: Kernel, shape, batch: int, num_drafts: int = 0):
     default = kernel.default_config(shape, bucket)
     picked = _tuned_or_default(default, kernel, shape, num_drafts, bucket)
     return picked, picked is not default
-
-
-def _pick(kernel: Kernel, shape, num_drafts: int, bucket: int):
-    return _tuned_or_default(kernel.default_config(shape, bucket), kernel, shape, num_drafts, bucket)
 
 
 def _tuned_or_default(default, kernel: Kernel, shape, num_drafts: int, bucket: int):
