@@ -194,14 +194,13 @@ class StateCopies:
 
 
 # A kernel's trailing state-copy parameters after its other tensors (mCheckpoint comes first).
-COPY_ARGS = ("mCheckpointScale", "mCheckpointStateScale", "mRead", "mReadScale", "mReadStateScale", "mSrSeed",
-             "mSrCounter")
+COPY_ARGS = ("mCheckpointScale", "mCheckpointStateScale", "mRead", "mReadScale", "mReadStateScale", "mSrSeed")
 
 
 def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict:
     """Compile-time stand-ins of a kernel's state-copy arguments as the API passes them (symbolic
     ``slots``; (slots, heads, rows, cols) data): the checkpoint and its scales, the read copy and
-    its scales, the SR seed and counter, None where the configuration has none."""
+    its scales, the SR seed, None where the configuration has none."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def compact(dtype, dims, align=16):
@@ -220,8 +219,7 @@ def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict
     stochastic = copies.stochastic
     return dict(mCheckpoint=ckpt, **dict(zip(COPY_ARGS, (
         ckpt_scale, ckpt_state_scale, read, read_scale, read_state_scale,
-        compact(Int64, (1,), align=8) if stochastic else None,
-        compact(Int32, (slots,), align=4) if stochastic else None))))
+        compact(Int64, (1,), align=8) if stochastic else None))))
 
 
 # ----------------------------------------------------------------------------- PTX steps
@@ -491,16 +489,17 @@ def work_tile_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per
 @cute.jit
 def start_work_tile_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_atom, mTma,
                           first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32,
-                          mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter):
+                          mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed,
+                          sr_count: Int32):
     """A work-tile kernel's loads at entry (``work_tile_tma``; a warp per stage of ``sState``):
     ``start_state_loads`` for a low-precision entry, else the fp32 rows straight into the padded
     tile. Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key), None where unused."""
     rows, width, warps = cute.size(sState, mode=[0]), cute.size(sState, mode=[1]), cute.size(sState, mode=[2])
     sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
     if cutlass.const_expr(copies.entry.low_precision):
-        sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, _ = start_state_loads(
+        sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
             copies, smem, sState, mbar, tma_atom, mTma, first_box, first_row, slot, slot64, head, mCheckpointScale,
-            mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, rows, warps)
+            mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, rows, warps)
     else:
         start_tile_loads(tma_atom, mTma, sState, mbar, first_box, warps, rows * width * 4)
     return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key
@@ -531,14 +530,15 @@ def fold_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
 @cute.jit
 def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
                       first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
-                      mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+                      mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count: Int32,
                       rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
     """A kernel's state copies at entry: allocates the low-precision entry tile (an fp32
     checkpoint lands in the work tile ``sState`` itself), issues its TMA loads (the read copy,
     else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows' scales per
     warp and reads the SR write key. A flush next to a read copy reads checkpoint rows from global
-    memory (``checkpoint_row``). Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key,
-    sr_count): the CTA's amax slots (nvfp4) and the SR counter read before the write."""
+    memory (``checkpoint_row``). ``sr_count`` is the slot's SR write counter before this write (the
+    step's plan). Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key): sAmax the CTA's
+    amax slots (nvfp4)."""
     entry_fmt = copies.entry
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     sEntry = sState
@@ -561,11 +561,9 @@ def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar
             mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
             entry_state_scale = mEntryState[slot64, head]
     sr_key = Uint32(0)
-    sr_count = Int32(0)
     if cutlass.const_expr(copies.stochastic):
-        sr_count = mSrCounter[slot]
         sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
-    return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count
+    return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key
 
 
 @cute.jit

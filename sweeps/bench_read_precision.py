@@ -65,7 +65,7 @@ from bench_decode import (  # noqa: E402
 from bench_verify import speculative_configs, steps_per_set  # noqa: E402
 from result_files import check_out, device_tag, gpu_name  # noqa: E402
 from replayssm_cute.perf import (  # noqa: E402
-    DecodePool, bench_layer, compile_commit_kernel, compile_pool_kernel, cursor_cycle, read_copy_arg,
+    DecodePool, bench_layer, compile_table_kernels, compile_pool_kernel, cursor_cycle, read_copy_arg,
     read_ideal_bytes, state_bytes, state_ratio, time_graph, verify_read_ideal_bytes)
 
 PROG = "bench_read_precision"
@@ -202,7 +202,7 @@ def _compile_job(job):
     model, window, fmt, drafts, cfg, batch = job
     try:
         if model is None:
-            compile_commit_kernel(window, drafts)
+            compile_table_kernels(window, drafts)
         else:
             compile_pool_kernel(model, window, cfg, drafts, max(batch, 1), read_copy=read_copy_arg(fmt))
     except Exception as e:  # noqa: BLE001 - reported, the timed run records it

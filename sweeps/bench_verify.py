@@ -52,7 +52,7 @@ from bench_decode import (  # noqa: E402
     QUICK_CANDIDATES, SMALL_BATCH, best, candidate_configs, compile_target, grid_configs, int_list, make_parser,
     parse_args, precompile_and_copy_rate, write_rows)
 from replayssm_cute.perf import (  # noqa: E402
-    DecodePool, bench_layer, compile_commit_kernel, compile_pool_kernel, cursor_cycle, time_graph,
+    DecodePool, bench_layer, compile_table_kernels, compile_pool_kernel, cursor_cycle, time_graph,
     verify_ideal_bytes)
 
 DEFAULT_MODELS = "nemotron-super,qwen3.5-122b"
@@ -92,7 +92,7 @@ def compile_jobs(models, batches, drafts, window, quick):
 def _compile_job(job):
     model, window, drafts, cfg, batch = job
     if model is None:
-        compile_commit_kernel(window, drafts)
+        compile_table_kernels(window, drafts)
     else:
         compile_pool_kernel(model, window, cfg, drafts, batch)
     return True

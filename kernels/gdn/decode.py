@@ -1,7 +1,9 @@
 """Gated DeltaNet decode step: ReplaySSM standard decoding, with the conventional step as window 1.
 
 One kernel class serves both, as for Mamba-2. With window L > 1 it runs Algorithm 4 of the paper
-(docs/design.md section 3): each row reads its cursor h on the device; S k and S q of the state
+(docs/design.md section 3): each row reads its committed record count h from the step's plan
+(kernels/table.py, which advanced the sequence table before the step's layers ran; this kernel
+writes no cursor, counter or flag); S k and S q of the state
 before the token are taken from the checkpoint in one pass plus the ring's records
 (``alpha S_h x = gamma (S_ckpt x) + sum_j w_j (k_j . x) u_j`` with every decay after record j in
 w_j), never forming the state; then ``u = beta (v - alpha S_h k)``, ``o = alpha S_h q + u (k . q)``.
@@ -14,10 +16,10 @@ Grid: (head_v_dim // rows_per_cta, num_v_heads, batch). A CTA owns rows [i0, i0 
 of one value head's (V, K) state for one batch row; warp w owns the rows_per_cta / num_warps rows
 that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); a lane holds
 `vec` consecutive elements of a state row along K. The dot products of a row (with k and with q)
-and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The ring
-is read at every physical position as soon as the slot is known (not after the cursor: under full
-bandwidth each dependent load costs microseconds of residency) and put in record order with
-shuffles. The last CTA of a row to finish advances its cursor.
+and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The plan
+row is loaded with the slot id (both indexed by the batch row), then the ring (u and keys at every
+position, where predicated loads would spill at the 4-CTA register cap; g of the live records), put
+in record order with shuffles.
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -36,19 +38,16 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | ring_g      | (S, cap, HV)      | fp32     | R / W  | record log decay g                          |
 | ring_v      | (S, cap, HV, V)   | act      | W; R at a re-deriving flush | record v (two-precision caches) |
 | ring_beta   | (S, cap, HV)      | fp32     | W; R at a re-deriving flush | record beta             |
-| cursor      | (S,)              | int32    | R / W  | committed records h                         |
-| origin      | (S,)              | int32    | R      | ring index of record 0                      |
-| arrivals    | (S,)              | int32    | R / W  | zero between steps; the last CTA of a row advances the cursor |
+| plan        | (b, 4)            | int32    | R      | (slot, h, origin, sr_writes) before the step (L > 1 or SR) |
 | checkpoint_scale, _state_scale | per format | fp32 / E4M3 | R / W on flush | fp8: (S, HV, V, K / bk); nvfp4: (S, HV, V, K / 16), (S, HV) |
 | read        | (S, HV, V, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
 | sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
-| sr_counter  | (S,)             | int32   | R / W  | SR writes per slot; the CTA advancing the cursor advances it |
 
 State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
 elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
 cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
 flush reads the checkpoint, rebuilds the state in fp32 and writes it into every copy: SR into a
-low-precision checkpoint (bits keyed by sr_seed, slot and sr_counter), RTN into the read copy.
+low-precision checkpoint (bits keyed by sr_seed, slot and the plan's sr_writes), RTN into the read copy.
 With a low-precision entry (``StateCopies.light``) the kernel keeps no fp32 tile: a flush reads the
 checkpoint rows (from the entry tile, or from global memory next to a read copy) and folds them in
 registers, twice for an nvfp4 writer (the whole-state amax, then the stores).
@@ -224,16 +223,13 @@ class GDNDecode:
         mRingG: Optional[cute.Tensor],
         mRingV: Optional[cute.Tensor],
         mRingBeta: Optional[cute.Tensor],
-        mCursor: Optional[cute.Tensor],
-        mOrigin: Optional[cute.Tensor],
-        mArrivals: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
@@ -241,8 +237,8 @@ class GDNDecode:
         tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.rows_per_warp)
         launch_tiles(self.kernel(
             tma_entry, mEntryTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mArrivals, mCheckpointScale,
-            mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+            mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan, mCheckpointScale,
+            mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed,
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
@@ -265,16 +261,13 @@ class GDNDecode:
         mRingG: Optional[cute.Tensor],
         mRingV: Optional[cute.Tensor],
         mRingBeta: Optional[cute.Tensor],
-        mCursor: Optional[cute.Tensor],
-        mOrigin: Optional[cute.Tensor],
-        mArrivals: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
     ):
         # Warp-centric, as the Mamba-2 kernel: lane j owns record j's scalars (g_j, its weight
         # w_j); lane r owns state row i_warp + r's scalars (v, u, the ring sums, the output);
@@ -292,7 +285,6 @@ class GDNDecode:
         act = s.act_dtype
         copies = s.copies
         entry_fmt = copies.entry
-        counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
         rederive = s.rederive and L > 1
         # A low-precision entry: no fp32 tile, a flush reads checkpoint rows and folds them in
         # registers; else one fp32 checkpoint, folded in the tile and stored as folded.
@@ -303,7 +295,17 @@ class GDNDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
+        # The ring position and SR write counter come from the step's plan, indexed by the batch
+        # row like the slot id, so neither load waits on the other.
         slot = mSlot[row]
+        h = Int32(0)
+        origin = Int32(0)
+        sr_count = Int32(0)
+        if cutlass.const_expr(L > 1):
+            h = mPlan[row, 1]
+            origin = mPlan[row, 2]
+        if cutlass.const_expr(copies.stochastic):
+            sr_count = mPlan[row, 3]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
@@ -325,9 +327,9 @@ class GDNDecode:
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
             # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
-            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, RW, W)
             sGram, sSk, sUre, sV = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -338,17 +340,12 @@ class GDNDecode:
                 sV = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, W), stride=(RW, 1, cap * RW)),
                                           byte_alignment=16)
 
-            # The ring is read by physical position p (record (p - origin) mod cap), every
-            # position, so these loads wait only on the slot, not on the cursor; record order is
-            # restored with shuffles once the cursor arrives. Reading the whole ring costs
-            # (cap - h) records of extra bytes but saves a dependent load under full bandwidth.
-            h = Int32(0)
-            origin = Int32(0)
+            # The ring is read by physical position p (record (p - origin) mod cap); a stale
+            # position's u and key are read but weigh zero; record order is restored with shuffles.
             g_phys = Float32(0.0)  # lane p: g at position p
             if cutlass.const_expr(L > 1):
-                h = mCursor[slot]
-                origin = mOrigin[slot]
-                g_phys = mRingG[slot64, lane % cap, vhead]
+                if (lane % cap - origin + cap) % cap < h:
+                    g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
 
@@ -358,7 +355,7 @@ class GDNDecode:
             v_raw = mV[row, vhead, i_row]
             rU = cute.make_rmem_tensor((cap,), Float32)
             if cutlass.const_expr(L > 1):
-                for p in cutlass.range_constexpr(cap):
+                for p in cutlass.range_constexpr(cap):  # every position: predicated loads spill here
                     rU[p] = mRingU[slot64, p, vhead, i_row].to(Float32)
 
             # Keys at every position, staged in shared memory for the fold: warp w takes p = w,
@@ -563,24 +560,6 @@ class GDNDecode:
                                 else:
                                     cute.autovec_copy(rS, tS)
 
-            if cutlass.const_expr(counted):
-                # The last CTA of this row to finish advances the cursor (and the SR write
-                # counter): all its warps have used h by the barrier; one arrival per CTA keeps the
-                # counter's traffic low.
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
-                    if done == HV * (V // R) - 1:
-                        if cutlass.const_expr(L > 1):
-                            next_h = h + 1
-                            if flush:
-                                next_h = Int32(0)
-                            mCursor[slot] = next_h
-                        if cutlass.const_expr(copies.stochastic):
-                            if flush:
-                                mSrCounter[slot] = sr_count + 1
-                        mArrivals[slot] = Int32(0)
-
 
 def fake_inputs(shape: GDNShape):
     """Fake tensors with symbolic batch and slot dims, matching what the API passes: activation
@@ -624,9 +603,7 @@ def fake_inputs(shape: GDNShape):
         mRingG=compact(Float32, (slots, cap, HV)) if replay else None,
         mRingV=compact(act, (slots, cap, HV, V)) if keep else None,
         mRingBeta=compact(Float32, (slots, cap, HV)) if keep else None,
-        mCursor=compact(Int32, (slots,), align=4) if replay else None,
-        mOrigin=compact(Int32, (slots,), align=4) if replay else None,
-        mArrivals=compact(Int32, (slots,), align=4) if replay or copies.stochastic else None,
+        mPlan=compact(Int32, (batch, 4)) if replay or copies.stochastic else None,
         **state,
     )
 

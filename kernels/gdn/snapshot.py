@@ -188,7 +188,7 @@ def compile_snapshot(shape: GDNShape, config: GDNConfig, num_drafts: int, option
     from .verify import fake_inputs
 
     args = fake_inputs(shape, num_drafts)
-    for name in ("mRingU", "mRingK", "mRingG", "mRingV", "mRingBeta", "mCursor", "mOrigin", *COPY_ARGS):
+    for name in ("mRingU", "mRingK", "mRingG", "mRingV", "mRingBeta", "mPlan", *COPY_ARGS):
         args.pop(name)  # verify's, not the snapshot's
     HV, V, K = shape.num_v_heads, shape.head_v_dim, shape.head_k_dim
     args["mSnapshots"] = make_fake_compact_tensor(

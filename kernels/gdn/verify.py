@@ -16,8 +16,8 @@ rows) ``S_ckpt [k; q]^T`` and ``U Dots^T`` (U the rows' committed corrections); 
 fold ``S = gamma S + (w_j u_j) K^T``. Only the T x T substitution runs per row on CUDA cores. The
 draft records (u fp16, normalised k once per key head, g, and v / beta for two-precision caches)
 go behind the committed ones at (origin + h + s) % cap; a row with h + T > L folds its h
-committed records into the checkpoint in the same launch. Cursor and origin are moved by the
-commit kernel (``kernels/commit.py``).
+committed records into the checkpoint in the same launch. h and origin come from the step's plan
+(kernels/table.py), loaded with the slot id; the commit kernel moves the sequence table.
 
 Grid (head_v_dim // rows_per_cta, num_v_heads, batch); 16 rows per warp (the MMA's M), each
 warp's rows one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
@@ -26,7 +26,7 @@ Low-precision and two-precision caches (paper Algorithm 6; kernels/state_io.py):
 is the read copy (else the low-precision checkpoint), decoded into the fp32 tile, so the GEMMs
 run unchanged and the drafts' corrections come from the read copy; a flushing row decodes the
 recurrence checkpoint instead, folds in the fp32 tile and writes that one fp32 state into every
-copy (SR into a low-precision checkpoint with the bits of sr_counter, which the commit kernel
+copy (SR into a low-precision checkpoint with the bits of the plan's sr_writes, which the commit
 advances; RTN into the read copy). With re-derivation (``GDNShape.rederive``) a flush first
 re-derives the committed corrections from the checkpoint (S_ckpt k_j, the keys' Gram matrix and
 the records' v, beta: ``decode.rederive_corrections``) and uses them for the drafts, the outputs
@@ -44,8 +44,8 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | slot_ids    | (b,)               | int32 | R      | pad / out-of-range rows skip                 |
 | out         | (b, T, HV, V)      | act   | W      | o of every draft (pad rows untouched)        |
 | ring_u, ring_k, ring_g (ring_v, ring_beta) | as decode | | R / W | drafts written at (origin + h + s) % cap |
-| cursor, origin | (S,)            | int32 | R      | moved by the commit kernel                   |
-| read, scales, sr_seed, sr_counter | as decode | | R (W on flush) | read copy; SR bits (counter R only) |
+| plan        | (b, 4)            | int32 | R      | (slot, h, origin, sr_writes) before the step |
+| read, scales, sr_seed | as decode | | R (W on flush) | read copy; SR seed                           |
 """
 
 from typing import Optional
@@ -133,15 +133,13 @@ class GDNVerify(DraftStepKernel):
         mRingG: cute.Tensor,
         mRingV: Optional[cute.Tensor],
         mRingBeta: Optional[cute.Tensor],
-        mCursor: cute.Tensor,
-        mOrigin: cute.Tensor,
+        mPlan: cute.Tensor,
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
@@ -150,8 +148,8 @@ class GDNVerify(DraftStepKernel):
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, HV * V, MMA_ROWS)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale,
-            mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+            mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan, mCheckpointScale, mCheckpointStateScale,
+            mRead, mReadScale, mReadStateScale, mSrSeed,
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -174,15 +172,13 @@ class GDNVerify(DraftStepKernel):
         mRingG: cute.Tensor,
         mRingV: Optional[cute.Tensor],
         mRingBeta: Optional[cute.Tensor],
-        mCursor: cute.Tensor,
-        mOrigin: cute.Tensor,
+        mPlan: cute.Tensor,
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
     ):
         s, c, T = self.shape, self.config, self.num_drafts
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
@@ -206,7 +202,14 @@ class GDNVerify(DraftStepKernel):
         g4 = lane // 4
         c4 = lane % 4
 
+        # Ring position and SR write counter from the step's plan, indexed by the batch row like the
+        # slot id, so neither load waits on the other.
         slot = mSlot[row]
+        h = mPlan[row, 1]
+        origin = mPlan[row, 2]
+        sr_count = Int32(0)
+        if cutlass.const_expr(copies.stochastic):
+            sr_count = mPlan[row, 3]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
@@ -230,7 +233,7 @@ class GDNVerify(DraftStepKernel):
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
                 copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count)
             sGram, sSk, sUre, sVre = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -239,8 +242,6 @@ class GDNVerify(DraftStepKernel):
                 sUre = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
                 sVre = smem.allocate_tensor(Float32, rows_layout, byte_alignment=16)
 
-            h = mCursor[slot]
-            origin = mOrigin[slot]
             g_phys = mRingG[slot64, lane % cap, vhead]
             flush = h + T > L
 
@@ -465,8 +466,7 @@ def fake_inputs(shape: GDNShape, num_drafts: int):
         mRingG=compact(Float32, (slots, cap, HV)),
         mRingV=compact(act, (slots, cap, HV, V)) if keep else None,
         mRingBeta=compact(Float32, (slots, cap, HV)) if keep else None,
-        mCursor=compact(Int32, (slots,), align=4),
-        mOrigin=compact(Int32, (slots,), align=4),
+        mPlan=compact(Int32, (batch, 4)),
         **state,
     )
 

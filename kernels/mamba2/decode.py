@@ -1,19 +1,20 @@
 """Mamba-2 decode step: ReplaySSM standard decoding, with the conventional step as window 1.
 
 One kernel class serves both. With window L > 1 it runs Algorithm 1 of the paper: each row reads
-its cursor h on the device, appends its record, and either computes its output from checkpoint +
-ring without writing any state (non-flush, output-only route) or folds the ring into the
-checkpoint and stores it (flush, when h + 1 == L). With L == 1 every step is a flush of the
-current token alone, which is exactly the conventional load-update-store step, so the baseline and
-ReplaySSM share one code path and one set of launch parameters.
+its committed record count h from the step's plan (kernels/table.py), appends its record, and either
+computes its output from checkpoint + ring without writing any state (non-flush, output-only
+route) or folds the ring into the checkpoint and stores it (flush, when h + 1 >= L). It writes no
+cursor, counter or flag: the plan kernel advanced the sequence table before the step's layers
+ran. With L == 1 every step is a flush of the current token alone, which is exactly the
+conventional load-update-store step, so the baseline and ReplaySSM share one code path and one set
+of launch parameters.
 
 Grid: (headdim // rows_per_cta, nheads, batch). A CTA owns rows [p0, p0 + rows_per_cta) of one
 head's (P, N) state for one batch row; warp w owns the consecutive rows_per_cta / num_warps rows
 that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry); each lane holds
-N / 32 consecutive elements of a state row. The ring is read at every physical position as soon as
-the slot is known (not after the cursor: under full bandwidth each dependent load costs
-microseconds of residency) and put in record order with shuffles. The last CTA of a row to finish
-advances its cursor.
+N / 32 consecutive elements of a state row. The plan row is loaded with the slot id (both indexed by
+the batch row), and the ring's live records as soon as both are known; they are put in record order
+with shuffles.
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -32,19 +33,16 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | ring_x      | (S, cap, H, P)   | act     | R / W  | record x (L > 1 only)                          |
 | ring_B      | (S, cap, G, N)   | act     | R / W  | record B, once per group                       |
 | ring_dt     | (S, cap, H)      | fp32    | R / W  | record dt after softplus                       |
-| cursor      | (S,)             | int32   | R / W  | committed records h                            |
-| origin      | (S,)             | int32   | R      | ring index of record 0                         |
-| arrivals    | (S,)             | int32   | R / W  | zero between steps; the last CTA of a row advances the cursor |
+| plan        | (b, 4)           | int32   | R      | (slot, h, origin, sr_writes) before the step (L > 1 or SR) |
 | checkpoint_scale, _state_scale | per format | fp32 / E4M3 | R / W on flush | fp8: (S, H, P, N / bk); nvfp4: (S, H, P, N / 16), (S, H) |
 | read        | (S, H, P, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
 | sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
-| sr_counter  | (S,)             | int32   | R / W  | SR writes per slot; the CTA advancing the cursor advances it |
 
 State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
 elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
 cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
 flush reads the checkpoint, rebuilds the state in fp32 and writes it into every copy: SR into a
-low-precision checkpoint (bits keyed by sr_seed, slot and sr_counter), RTN into the read copy.
+low-precision checkpoint (bits keyed by sr_seed, slot and the plan's sr_writes), RTN into the read copy.
 With a low-precision entry (``StateCopies.light``) the kernel keeps no fp32 tile: a flush reads the
 checkpoint rows (from the entry tile, or from global memory next to a read copy) and folds them in
 registers, twice for an nvfp4 writer (the whole-state amax, then the stores).
@@ -93,16 +91,13 @@ class Mamba2Decode:
         mRingX: Optional[cute.Tensor],
         mRingB: Optional[cute.Tensor],
         mRingDt: Optional[cute.Tensor],
-        mCursor: Optional[cute.Tensor],
-        mOrigin: Optional[cute.Tensor],
-        mArrivals: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
@@ -110,8 +105,8 @@ class Mamba2Decode:
         tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, c.rows_per_warp)
         launch_tiles(self.kernel(
             tma_entry, mEntryTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
-            mOut, mRingX, mRingB, mRingDt, mCursor, mOrigin, mArrivals, mCheckpointScale, mCheckpointStateScale,
-            mRead, mReadScale, mReadStateScale, mSrSeed, mSrCounter,
+            mOut, mRingX, mRingB, mRingDt, mPlan, mCheckpointScale, mCheckpointStateScale,
+            mRead, mReadScale, mReadStateScale, mSrSeed,
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
@@ -133,16 +128,13 @@ class Mamba2Decode:
         mRingX: Optional[cute.Tensor],
         mRingB: Optional[cute.Tensor],
         mRingDt: Optional[cute.Tensor],
-        mCursor: Optional[cute.Tensor],
-        mOrigin: Optional[cute.Tensor],
-        mArrivals: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
     ):
         # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each). Lane j
         # owns record j's scalars (dt_j, its decay weight w_j, w_j (B_j . C)); lane r owns row
@@ -159,7 +151,6 @@ class Mamba2Decode:
         act = s.act_dtype
         copies = s.copies
         entry_fmt = copies.entry
-        counted = L > 1 or copies.stochastic  # the last CTA of a row advances cursor / SR counter
         light = copies.light  # no fp32 tile: a flush folds row by row in registers
 
         tidx, _, _ = cute.arch.thread_idx()
@@ -167,7 +158,17 @@ class Mamba2Decode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
+        # The ring position and SR write counter come from the step's plan, indexed by the batch
+        # row like the slot id, so neither load waits on the other.
         slot = mSlot[row]
+        h = Int32(0)
+        origin = Int32(0)
+        sr_count = Int32(0)
+        if cutlass.const_expr(L > 1):
+            h = mPlan[row, 1]
+            origin = mPlan[row, 2]
+        if cutlass.const_expr(copies.stochastic):
+            sr_count = mPlan[row, 3]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
@@ -188,21 +189,16 @@ class Mamba2Decode:
             # Low-precision copies land in their own tiles (storage dtype) and are decoded per
             # row; the entry rows' scales are staged per warp at entry.
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
-            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key, sr_count = start_state_loads(
+            sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter, RW, W)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, RW, W)
 
-            # The ring is read by physical position p (record (p - origin) mod cap), every
-            # position, so these loads wait only on the slot, not on the cursor; record order is
-            # restored with shuffles once the cursor arrives. Reading the whole ring costs
-            # (cap - h) records of extra bytes but saves a dependent load under full bandwidth.
-            h = Int32(0)
-            origin = Int32(0)
+            # The ring is read by physical position p (record (p - origin) mod cap), live records
+            # only (a stale position reads as zero); record order is restored with shuffles.
             dt_phys = Float32(0.0)  # lane p: dt at position p
             if cutlass.const_expr(L > 1):
-                h = mCursor[slot]
-                origin = mOrigin[slot]
-                dt_phys = mRingDt[slot64, lane % cap, head]
+                if (lane % cap - origin + cap) % cap < h:
+                    dt_phys = mRingDt[slot64, lane % cap, head]
             flush = h + 1 >= L  # h == L only after a speculative commit: fold all, then this token
             pos_h = (origin + h) % cap  # where this token's record goes
 
@@ -213,12 +209,15 @@ class Mamba2Decode:
             rX = cute.make_rmem_tensor((cap,), Float32)  # x_p of this lane's row at every position
             if cutlass.const_expr(L > 1):
                 for p in cutlass.range_constexpr(cap):
-                    rX[p] = mRingX[slot64, p, head, p_warp + lr].to(Float32)
+                    rX[p] = Float32(0.0)
+                    if (p - origin + cap) % cap < h:
+                        rX[p] = mRingX[slot64, p, head, p_warp + lr].to(Float32)
                 # B at the warp's positions p = w, w + W, ...; staged in shared memory below.
                 rBring = cute.make_rmem_tensor(cute.make_layout((RPW, vec), stride=(vec, 1)), act)
+                rBring.fill(0.0)
                 for pp in cutlass.range_constexpr(RPW):
                     if cutlass.const_expr(pp * W < cap):
-                        if pp * W + warp < cap:
+                        if pp * W + warp < cap and (pp * W + warp - origin + cap) % cap < h:
                             cute.autovec_copy(
                                 cute.local_tile(mRingB[slot64, pp * W + warp, group, None], (vec,), (lane,)),
                                 rBring[pp, None])
@@ -398,24 +397,6 @@ class Mamba2Decode:
                     if not flush:
                         mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
 
-            if cutlass.const_expr(counted):
-                # The last CTA of this row to finish advances the cursor (and the SR write
-                # counter): all its warps have used h by the barrier; one arrival per CTA keeps the
-                # counter's traffic low.
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    done = cute.arch.atomic_add(mArrivals.iterator + slot64, Int32(1), sem="acq_rel", scope="gpu")
-                    if done == H * (P // R) - 1:
-                        if cutlass.const_expr(L > 1):
-                            next_h = h + 1
-                            if flush:
-                                next_h = Int32(0)
-                            mCursor[slot] = next_h
-                        if cutlass.const_expr(copies.stochastic):
-                            if flush:
-                                mSrCounter[slot] = sr_count + 1
-                        mArrivals[slot] = Int32(0)
-
 
 def fake_inputs(shape: Mamba2Shape):
     """Fake tensors with symbolic batch and slot dims, matching what the API passes.
@@ -447,7 +428,6 @@ def fake_inputs(shape: Mamba2Shape):
     copies = shape.copies
 
     state = fake_copy_tensors(copies, slots, H, P)
-    counted = replay or copies.stochastic
     return dict(
         mCheckpoint=state.pop("mCheckpoint"),
         mX=rows(act, (H, P)),
@@ -463,9 +443,7 @@ def fake_inputs(shape: Mamba2Shape):
         mRingX=compact(act, (slots, cap, H, P)) if replay else None,
         mRingB=compact(act, (slots, cap, G, N)) if replay else None,
         mRingDt=compact(Float32, (slots, cap, H)) if replay else None,
-        mCursor=compact(Int32, (slots,), align=4) if replay else None,
-        mOrigin=compact(Int32, (slots,), align=4) if replay else None,
-        mArrivals=compact(Int32, (slots,), align=4) if counted else None,
+        mPlan=compact(Int32, (batch, 4)) if replay or copies.stochastic else None,
         **state,
     )
 

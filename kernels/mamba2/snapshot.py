@@ -161,7 +161,7 @@ def compile_snapshot(shape: Mamba2Shape, config: Mamba2Config, num_drafts: int, 
     from .verify import fake_inputs
 
     args = fake_inputs(shape, num_drafts)
-    for name in ("mRingX", "mRingB", "mRingDt", "mCursor", "mOrigin", *COPY_ARGS):
+    for name in ("mRingX", "mRingB", "mRingDt", "mPlan", *COPY_ARGS):
         args.pop(name)  # verify's, not the snapshot's
     H, P, N = shape.nheads, shape.headdim, shape.dstate
     args["mSnapshots"] = make_fake_compact_tensor(

@@ -1,6 +1,7 @@
 """Mamba-2 speculative verification: T draft tokens per row, output-only, one checkpoint read.
 
-Algorithm 2 of the paper (docs/design.md section 4). Each row reads its cursor h on the device;
+Algorithm 2 of the paper (docs/design.md section 4). Each row reads its committed count h from the
+step's plan (kernels/table.py);
 the T outputs come from the checkpoint tile and the h committed records plus the drafts before
 each token (Eq. 6), never forming a state:
 
@@ -18,15 +19,16 @@ hi + lo TF32 parts, so accuracy stays that of fp32; bf16 / fp16 operands are exa
   ``S = gamma S + (w_j x_j) B^T`` over ring positions, and stores the checkpoint (drafts are not
   folded).
 
-The T draft records are written behind the committed ones, at (origin + h + t) % cap. Cursor and
-origin are not touched here: the commit kernel (``kernels/commit.py``) moves them once the
-accepted count is known. The ring is read at every physical position as soon as the slot is known.
+The T draft records are written behind the committed ones, at (origin + h + t) % cap. The
+sequence table is not touched here: the commit kernel (``kernels/table.py``) moves it from this
+step's plan once the accepted count is known. The plan row is loaded with the slot id (both
+indexed by the batch row).
 
 Low-precision and two-precision caches (paper Algorithm 3; kernels/state_io.py): the entry tile
 is the read copy (else the low-precision checkpoint), decoded into the fp32 tile, so the GEMMs
 above run unchanged; a flushing row decodes the recurrence checkpoint instead, folds in the fp32
 tile and writes that one fp32 state into every copy (SR into a low-precision checkpoint, with the
-bits of sr_counter, which the commit kernel advances; RTN into the read copy).
+bits of the plan's sr_writes, which the commit advances; RTN into the read copy).
 
 Grid (headdim // rows_per_cta, nheads, batch); 16 rows per warp (the MMA's M), each warp's rows
 one TMA stage into a tile whose rows are padded apart (conflict-free fragment reads).
@@ -46,8 +48,8 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | slot_ids    | (b,)               | int32    | R      | pad / out-of-range rows skip                |
 | out         | (b, T, H, P)       | act      | W      | y of every draft (pad rows untouched)       |
 | ring_x, ring_B, ring_dt | as decode | | R / W | draft records written at (origin + h + t) % cap |
-| cursor, origin | (S,)            | int32    | R      | moved by the commit kernel                  |
-| read, scales, sr_seed, sr_counter | as decode | | R (W on flush) | read copy; SR bits (counter R only) |
+| plan        | (b, 4)             | int32    | R      | (slot, h, origin, sr_writes) before the step |
+| read, scales, sr_seed | as decode  |          | R (W on flush) | read copy; SR seed                   |
 """
 
 from typing import Optional
@@ -103,15 +105,13 @@ class Mamba2Verify(DraftStepKernel):
         mRingX: cute.Tensor,
         mRingB: cute.Tensor,
         mRingDt: cute.Tensor,
-        mCursor: cute.Tensor,
-        mOrigin: cute.Tensor,
+        mPlan: cute.Tensor,
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
         stream,
     ):
         s, c = self.shape, self.config
@@ -120,8 +120,8 @@ class Mamba2Verify(DraftStepKernel):
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, H * P, MMA_ROWS)
         launch_tiles(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-            mRingX, mRingB, mRingDt, mCursor, mOrigin, mCheckpointScale, mCheckpointStateScale, mRead, mReadScale,
-            mReadStateScale, mSrSeed, mSrCounter,
+            mRingX, mRingB, mRingDt, mPlan, mCheckpointScale, mCheckpointStateScale, mRead, mReadScale,
+            mReadStateScale, mSrSeed,
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -143,15 +143,13 @@ class Mamba2Verify(DraftStepKernel):
         mRingX: cute.Tensor,
         mRingB: cute.Tensor,
         mRingDt: cute.Tensor,
-        mCursor: cute.Tensor,
-        mOrigin: cute.Tensor,
+        mPlan: cute.Tensor,
         mCheckpointScale: Optional[cute.Tensor],
         mCheckpointStateScale: Optional[cute.Tensor],
         mRead: Optional[cute.Tensor],
         mReadScale: Optional[cute.Tensor],
         mReadStateScale: Optional[cute.Tensor],
         mSrSeed: Optional[cute.Tensor],
-        mSrCounter: Optional[cute.Tensor],
     ):
         s, c, T = self.shape, self.config, self.num_drafts
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
@@ -176,7 +174,14 @@ class Mamba2Verify(DraftStepKernel):
         g4 = lane // 4  # fragment row group
         c4 = lane % 4  # fragment column in the group
 
+        # Ring position and SR write counter from the step's plan, indexed by the batch row like the
+        # slot id, so neither load waits on the other.
         slot = mSlot[row]
+        h = mPlan[row, 1]
+        origin = mPlan[row, 2]
+        sr_count = Int32(0)
+        if cutlass.const_expr(copies.stochastic):
+            sr_count = mPlan[row, 3]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:
@@ -196,10 +201,8 @@ class Mamba2Verify(DraftStepKernel):
             first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
                 copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, mSrCounter)
+                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count)
 
-            h = mCursor[slot]
-            origin = mOrigin[slot]
             dt_phys = mRingDt[slot64, lane % cap, head]  # lane p: dt at position p
             flush = h + T > L
 
@@ -400,8 +403,7 @@ def fake_inputs(shape: Mamba2Shape, num_drafts: int):
         mRingX=compact(act, (slots, cap, H, P)),
         mRingB=compact(act, (slots, cap, G, N)),
         mRingDt=compact(Float32, (slots, cap, H)),
-        mCursor=compact(Int32, (slots,), align=4),
-        mOrigin=compact(Int32, (slots,), align=4),
+        mPlan=compact(Int32, (batch, 4)),
         **state,
     )
 

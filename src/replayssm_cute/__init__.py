@@ -11,5 +11,8 @@ if (
 from .version import __version__  # noqa: E402
 from .api import commit, decode, snapshot_verify, verify  # noqa: E402
 from .cache import GDNCache, Mamba2Cache  # noqa: E402
+from .lifecycle import fork_slots, materialize_states, reset_slots  # noqa: E402
+from .table import SequenceTable, StepPlan  # noqa: E402
 
-__all__ = ["commit", "decode", "snapshot_verify", "verify", "GDNCache", "Mamba2Cache", "__version__"]
+__all__ = ["commit", "decode", "snapshot_verify", "verify", "GDNCache", "Mamba2Cache", "SequenceTable", "StepPlan",
+           "reset_slots", "fork_slots", "materialize_states", "__version__"]

@@ -25,6 +25,11 @@ grad is refused, since the CPU path would pull the cache into the autograd graph
 under ``torch.no_grad()`` / ``torch.inference_mode()`` (then parameters that require grad are
 fine) or pass detached tensors.
 
+Model steps: the layer caches of a model share one ``SequenceTable`` (``table=``); each step
+plans once (``table.plan_decode`` / ``plan_verify``), every layer runs with ``plan=``, and a
+speculative step ends with one ``table.commit`` (replayssm_cute.table). A cache made without a
+table plans and commits its own steps, as below.
+
 Speculative protocol: verify, then commit, then anything else. Between a ``verify`` and its
 ``commit`` every other op on that cache is refused (``Mamba2Cache`` / ``GDNCache``), and the
 commit must name the verify's slot ids row for row: the CPU path checks the ids, the GPU path
@@ -40,9 +45,9 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .cache import PendingVerify
 from .layers import EXPECTED_CACHE, layer_of
 from .runtime import launch
+from .table import StepPlan
 
 
 def _check_config(layer, cache, config) -> None:
@@ -65,7 +70,9 @@ def _dispatch(op: str, cache, run, args, kwargs):
     layer = layer_of(cache)
     if layer is None:
         raise TypeError(f"{op}: argument 'cache': expected {EXPECTED_CACHE}, got {type(cache).__name__}")
-    cache._refuse_while_verify_pending(op)
+    plan = kwargs.get("plan")
+    if not (op == "verify" and plan is not None and plan is cache.table.pending):  # a model step's verify
+        cache._refuse_while_verify_pending(op)
     _check_config(layer, cache, kwargs.get("config"))
     return _named(op, run, layer, cache, *args, **kwargs)
 
@@ -76,18 +83,23 @@ def decode(cache, *args, **kwargs):
     With a :class:`Mamba2Cache`::
 
         decode(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-               out=None, *, config=None)  -> out (b, H, P)
+               out=None, *, config=None, plan=None)  -> out (b, H, P)
 
     With a :class:`GDNCache`::
 
         decode(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None,
-               mixed_qkv=None, config=None)  -> out (b, HV, V)
+               mixed_qkv=None, config=None, plan=None)  -> out (b, HV, V)
 
     (pass ``q = k = v = None`` and ``mixed_qkv`` for the packed layout). Window 1 is conventional
     decoding (state load, update, store), window L > 1 is ReplaySSM standard decoding. ``config``
     overrides the launch configuration (a ``Mamba2Config`` / ``GDNConfig``, anything else is
     refused; unused on the CPU path); by default the tuned one for the batch size's bucket
     (``replayssm_cute.runtime.tuning``; verify alike), else the analytical choice for it.
+
+    ``plan``: a model step's ``table.plan_decode(slot_ids)`` (replayssm_cute.table), made once for
+    every layer of the model from this same ``slot_ids`` tensor; required on a cache made with
+    ``table=``, where one layer's step must not move the others' positions. Without it a cache
+    that owns its table plans its own step (one more small launch; the table advances with it).
 
     Skipped rows (pad sentinel, out of pool) keep their rows of a caller's ``out`` and are zero
     in an ``out`` allocated here. Inference-only: with grad mode on, an input that requires grad
@@ -97,18 +109,45 @@ def decode(cache, *args, **kwargs):
     return _dispatch("decode", cache, _decode, args, kwargs)
 
 
-def _decode(layer, cache, *args, config=None, **kwargs):
+def _decode(layer, cache, *args, config=None, plan=None, **kwargs):
     inputs = layer.inputs(**layer.decode_args(cache, *args, **kwargs), drafts=False)
     b = getattr(inputs, layer.tokens).shape[0]
     device = cache.checkpoint.device
+    _check_plan(cache, plan, inputs.slot_ids, 0)
     if b == 0:
         return inputs.out
     if device.type == "cpu":
-        return layer.decode_reference(cache, inputs)
+        return layer.decode_reference(cache, inputs, plan)
     _check_device(cache, device, low_precision_kernel=True)
     kernel = launch.launcher(layer.decode_kernel, layer.shape(cache, layer.static_inputs(inputs)), 0, b, config)
-    kernel(*layer.decode_kernel_args(cache, inputs))
+    if plan is None and (cache.window > 1 or cache.sr_counter is not None):
+        plan = cache.table.plan_decode(inputs.slot_ids)
+    kernel(*layer.decode_kernel_args(cache, inputs, plan))
     return inputs.out
+
+
+def _check_plan(cache, plan, slot_ids, num_drafts: int) -> None:
+    """``plan`` is None on a cache that owns its table (the op plans its own step), else the
+    latest plan of the cache's table for this op (``plan_decode``; ``plan_verify`` with T =
+    ``num_drafts``, awaiting its commit) made from this very ``slot_ids`` tensor."""
+    table = cache.table
+    op = "plan_verify(slot_ids, num_drafts)" if num_drafts else "plan_decode(slot_ids)"
+    if plan is None:
+        if not cache.owns_table:
+            checks.fail("plan", f"the model step's table.{op} (the cache shares a SequenceTable: a step on one "
+                        f"layer must not move the positions of the others)", None)
+        return
+    if not isinstance(plan, StepPlan) or plan.table is not table:
+        checks.fail("plan", f"None or a StepPlan of the cache's SequenceTable (table.{op})",
+                    type(plan).__name__ if not isinstance(plan, StepPlan) else "a plan of another table")
+    if plan.num_drafts != num_drafts:
+        checks.fail("plan", f"a plan of table.{op}", f"a plan with num_drafts {plan.num_drafts}")
+    latest = table.pending if num_drafts else table.last_plan
+    if plan is not latest:
+        checks.fail("plan", f"the table's latest {op} (positions move with every plan)", "a stale plan")
+    if slot_ids is not plan.slot_ids and (slot_ids.data_ptr() != plan.slot_ids.data_ptr()
+                                          or slot_ids.shape != plan.slot_ids.shape):
+        checks.fail("slot_ids", "the slot ids the plan was made from (the same tensor)", "another tensor")
 
 
 def _check_device(cache, device, low_precision_kernel: bool = False) -> None:
@@ -185,12 +224,12 @@ def verify(cache, *args, **kwargs):
     With a :class:`Mamba2Cache` (``max_draft >= T``)::
 
         verify(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-               out=None, *, config=None)  -> out (b, T, H, P)
+               out=None, *, config=None, plan=None)  -> out (b, T, H, P)
 
     With a :class:`GDNCache`::
 
         verify(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, *, scale=None, out=None,
-               config=None)  -> out (b, T, HV, V)
+               config=None, plan=None)  -> out (b, T, HV, V)
 
     with every token tensor laid out (b, T, ...) as decode's. Each row's T outputs come from its
     checkpoint and committed records without writing a state; the drafts' records are appended
@@ -200,7 +239,10 @@ def verify(cache, *args, **kwargs):
     Protocol: verify, then commit, then anything else. Follow every verify with one
     :func:`commit` of the same ``slot_ids``, row for row: between the two, a slot's cursor,
     origin and SR write counter are internal, so every other op on the cache (decode, another
-    verify, load_prefill, materialize, read_state) is refused until the commit. Rows verify
+    verify, load_prefill, materialize, read_state) is refused until the commit. In a model step
+    (``plan`` = ``table.plan_verify(slot_ids, T)``, required on a cache made with ``table=``)
+    every layer verifies with the one plan, then ``table.commit(plan, num_accepted)`` moves the
+    table once for all of them. Rows verify
     skips are zero in an ``out`` it allocates; inference-only and ``config`` as :func:`decode`.
 
     On a cache with low-precision state the outputs read the read copy (else the checkpoint),
@@ -221,7 +263,7 @@ def verify(cache, *args, **kwargs):
     return _dispatch("verify", cache, _verify, args, kwargs)
 
 
-def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, **kwargs):
+def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, plan=None, **kwargs):
     named = layer.verify_args(cache, *args, **kwargs)
     if cache.max_draft < 1:
         checks.fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
@@ -236,24 +278,20 @@ def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, 
     b, T = getattr(inputs, layer.tokens).shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
         checks.fail(layer.tokens, f"1 <= T <= min(max_draft {cache.max_draft}, window {cache.window}) drafts", T)
+    _check_plan(cache, plan, inputs.slot_ids, T)
     device = cache.checkpoint.device
-    if b > 0 and device.type == "cpu":
-        layer.verify_reference(cache, inputs)
-    elif b > 0:
+    if device.type != "cpu":
         _check_device(cache, device, low_precision_kernel=True)
+    kernel = None
+    if b > 0 and device.type != "cpu":
         kernel = launch.launcher(layer.verify_kernel, layer.shape(cache, layer.static_inputs(inputs)), T, b, config)
-        kernel(*layer.verify_kernel_args(cache, inputs))
-    _await_commit(cache, T, inputs.slot_ids)
+    if plan is None:  # a standalone verify: its own plan, which then awaits commit(cache, ...)
+        plan = cache.table.plan_verify(inputs.slot_ids, T) if device.type != "cpu" or b == 0 else None
+    if b > 0 and device.type == "cpu":
+        layer.verify_reference(cache, inputs, plan)
+    elif b > 0:
+        kernel(*layer.verify_kernel_args(cache, inputs, plan))
     return _verify_result(inputs.out, packed_out, cu_seqlens)
-
-
-def _await_commit(cache, T: int, slot_ids: torch.Tensor) -> None:
-    """Record the verify step that has run for its commit: T, the batch and, on a CPU cache or
-    in debug mode outside capture, its slot ids read on the host (never on the normal GPU path,
-    which stays free of device->host reads)."""
-    device = slot_ids.device
-    host_ids = tuple(slot_ids.tolist()) if device.type == "cpu" or checks.debug_host_checks(device) else None
-    cache.pending_verify = PendingVerify(T, slot_ids.shape[0], host_ids)
 
 
 def _verify_result(out, packed_out, cu_seqlens):
@@ -287,10 +325,10 @@ def commit(cache, slot_ids, num_accepted):
     What is checked where: the batch size against the verify's everywhere (tensor metadata). The
     CPU path compares the slot ids with the verify's and refuses num_accepted outside 1..T;
     ``REPLAYSSM_CUTE_DEBUG=1`` does both on the host on the GPU path too (it synchronises; skipped
-    under CUDA-graph capture). The normal GPU path reads nothing back and assumes both: the
-    commit kernel moves the cursor of whichever slot each row names, so a commit naming other
-    slots would advance slots never verified over stale records and leave the verified ones
-    without their drafts, and a count outside 1..T would corrupt the cursor.
+    under CUDA-graph capture). The commit kernel takes its rows from the verify's plan, so it
+    moves exactly the slots verify read, whatever ``slot_ids`` holds; the normal GPU path reads
+    nothing back and assumes the counts lie in 1..T (one outside would corrupt the positions).
+    On a cache made with ``table=`` use ``table.commit(plan, num_accepted)`` (once per model step).
     """
     return _named("commit", _commit, cache, slot_ids, num_accepted)
 
@@ -301,7 +339,7 @@ def _commit(cache, slot_ids, num_accepted):
     pending = cache.pending_verify
     if pending is None:
         raise ValueError("commit: argument 'cache': no verify step to commit (call verify first)")
-    T, b = pending.num_drafts, pending.batch
+    b = pending.batch
     device = cache.checkpoint.device
     if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 and slot_ids.shape[0] != b:
         checks.fail("slot_ids", f"the {b} slot ids of the pending verify, row for row", f"{slot_ids.shape[0]} ids")
@@ -311,29 +349,16 @@ def _commit(cache, slot_ids, num_accepted):
         checks.fail("num_accepted", f"a contiguous int32 tensor of shape ({b},) on {device}",
                     f"{getattr(num_accepted, 'dtype', type(num_accepted).__name__)} "
                     f"{tuple(getattr(num_accepted, 'shape', ()))}")
-    host_checks = checks.debug_host_checks(device)
-    if pending.slot_ids is not None and (device.type == "cpu" or host_checks):
+    if pending.host_ids is not None and (device.type == "cpu" or checks.debug_host_checks(device)):
         ids = tuple(slot_ids.tolist())
-        if ids != pending.slot_ids:
-            checks.fail("slot_ids", f"the slot ids of the pending verify, row for row ({_preview(pending.slot_ids)}): "
+        if ids != pending.host_ids:
+            checks.fail("slot_ids", f"the slot ids of the pending verify, row for row ({_preview(pending.host_ids)}): "
                         f"each row's num_accepted applies to the drafts that row verified", _preview(ids))
-    if host_checks:
+    if checks.debug_host_checks(device):
         checks.slots_in_pool(cache, slot_ids)
-        live = [i for i, s_ in enumerate(slot_ids.tolist()) if s_ != cache.pad_slot_id and 0 <= s_ < cache.num_slots]
-        bad = [a for i, a in enumerate(num_accepted.tolist()) if i in live and not 1 <= a <= T]
-        if bad:
-            raise ValueError(f"commit: argument 'num_accepted': expected values in [1, {T}], got {bad[:8]}")
-    if b > 0 and device.type == "cpu":
-        from .reference import commit_cache_
-
-        commit_cache_(cache, slot_ids, num_accepted, num_drafts=T)
-    elif b > 0:
+    if device.type != "cpu":
         _check_device(cache, device, low_precision_kernel=True)
-        from .kernels.commit import CommitShape
-
-        shape = CommitShape(cache.window, cache.capacity, T, cache.pad_slot_id, cache.sr_counter is not None)
-        launch.commit_launcher(shape)(slot_ids, num_accepted, cache.cursor, cache.origin, cache.sr_counter)
-    cache.pending_verify = None  # consumed, once the commit has run
+    cache.table.commit(pending, num_accepted)  # rows from the verify's plan, so its slots, whatever slot_ids says
 
 
 def _preview(ids) -> str:

@@ -18,9 +18,12 @@ GDNCache layout (HV value heads of size V, H key heads of size K):
 
 Both:
 
-* ``cursor``  (slots,) int32: committed records h, 0 <= h < window
-* ``origin``  (slots,) int32: ring index of record 0; record i lives at (origin + i) % cap
-* ``arrivals`` (slots,) int32: zero between steps; kernel-internal completion counter
+* ``table``: the ``SequenceTable`` of the slots' ring positions, shared by every layer cache of
+  a model made with ``table=`` (else the cache's own): ``cursor`` (its ``committed``), (slots,)
+  int32, committed records h, 0 <= h <= window; ``origin`` (slots,) int32, ring index of record
+  0 (record i lives at (origin + i) % cap); ``sr_counter`` (its ``sr_writes``) with an SR
+  checkpoint. The layer kernels read them through a step's plan and never write them
+  (replayssm_cute.table).
 * ``read_copy``: None, or the low-precision read copy (below)
 
 window == 1 is conventional decoding: the checkpoint is the state and there is no ring.
@@ -35,8 +38,9 @@ of 16 up to 256, and window + max_draft (the ring) at most 32 (one lane per reco
 Speculative protocol. ``api.verify`` leaves ``pending_verify`` set (``pending_drafts`` is its
 T) until ``api.commit`` consumes it: verify, then commit, then anything else. Meanwhile every
 other op on the cache that reads or writes slot state (decode, verify, load_prefill,
-materialize, read_state) is refused, since the drafts sit in the ring behind cursors that only
-the commit makes consistent.
+materialize, read_state) is refused, since the drafts sit in the ring behind positions that
+only the commit makes consistent. The pending verify is the table's: on a shared table it
+holds every layer of the model (replayssm_cute.table).
 
 Low-precision state (docs/design.md section 5; ``checkpoint_format``, ``read_copy``, ``shared``)
 ---------------------------------------------------------------------------------------------------
@@ -84,9 +88,10 @@ the 32 bits ::
 (``quant.sr_bits(seed, offset) = fmix32(offset ^ fmix32(seed ^ 0x9E3779B9))``, a key passed
 on as the next seed as its uint32 pattern), e the flat index of the element in the slot's
 full-precision state, ``e = (head * S[1] + row) * K + col``, and then ``sr_counter[s] = w +
-1``. A kernel computes key_w once per CTA, reads the counter before the write and lets the
-CTA that advances the cursor advance the counter, so CUDA-graph replays draw fresh bits and a
-fixed seed reproduces a run. Why not one flat 32-bit offset: sr_bits depends on offset ^ key
+1``. A kernel computes key_w once per CTA from the counter in the step's plan; the table's
+plan (decode) or commit (verify) advances the counter, so CUDA-graph replays draw fresh bits and
+a fixed seed reproduces a run. Layers sharing a table share the counter (every layer of a
+sequence flushes at the same steps) and differ by their seeds. Why not one flat 32-bit offset: sr_bits depends on offset ^ key
 only, so an offset cannot hold (write, slot, element) for a pool of ~2^30 elements without
 wrapping within a few steps; keying by (slot, write) keeps every element of one write
 distinct and changes the stream at every write.
@@ -100,19 +105,18 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import quant, reference
+from .table import SequenceTable, StepPlan
 
-__all__ = ["Mamba2Cache", "GDNCache", "PendingVerify", "checkpoint_sr_bits", "CHECKPOINT_FORMATS",
+__all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS",
            "READ_COPY_FORMATS"]
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_DRAFT = 16
-_IDX_DTYPE = torch.int32
-_INDEX_TENSORS = ("cursor", "origin", "arrivals")
 
 CHECKPOINT_FORMATS = ("fp32", "fp16", "fp8", "nvfp4")  # nvfp4: shared or window == 1 only
 READ_COPY_FORMATS = (None, "fp16", "fp8", "nvfp4")
@@ -121,16 +125,6 @@ _SCALE_SUFFIXES = ("_scale", "_state_scale")
 _SEED_MASK = (1 << 32) - 1
 # The GPU kernels' ring: one lane per record (Mamba2Config / GDNConfig.check_tiles in kernels/).
 _KERNEL_MAX_CAPACITY = 32
-
-
-class PendingVerify(NamedTuple):
-    """A verify step awaiting its commit (``api.verify`` sets it, ``api.commit`` consumes it)."""
-
-    num_drafts: int
-    batch: int
-    # verify's slot ids, read on the host only where that costs no device sync (a CPU cache) or
-    # debug mode asked for it; else None and commit checks the batch size only
-    slot_ids: Optional[Tuple[int, ...]]
 
 
 def _format(name: str, K: int):
@@ -156,8 +150,10 @@ def _copy_layout(name: str, state_shape: tuple) -> List[Tuple[str, tuple, torch.
             ("_state_scale", state_shape[:-2], torch.float32)]
 
 
-def checkpoint_sr_bits(seed, slot: int, counter: int, state_shape: Sequence[int], device=None) -> torch.Tensor:
-    """The SR bits of write ``counter`` of slot ``slot`` (module docstring): int32 ``state_shape``.
+def checkpoint_sr_bits(seed, slot, counter, state_shape: Sequence[int], device=None) -> torch.Tensor:
+    """The SR bits of write ``counter`` of slot ``slot`` (module docstring): int32 ``state_shape``;
+    with ``slot`` and ``counter`` integer tensors (n,), the bits of n writes (n, *state_shape)
+    computed on the device, without a host read.
 
     ``seed``: an int or the cache's ``sr_seed`` tensor (low 32 bits used); ``counter`` is taken
     mod 2^32. ``r[e] = sr_bits(sr_bits(sr_bits(seed, slot), counter), e)``, e the flat index.
@@ -165,10 +161,19 @@ def checkpoint_sr_bits(seed, slot: int, counter: int, state_shape: Sequence[int]
     if isinstance(seed, torch.Tensor):
         device = seed.device if device is None else device
         seed = seed.reshape(-1)[0].to(device=device, dtype=torch.int64)
-    scalar = lambda v: torch.tensor(v & _SEED_MASK, dtype=torch.int64, device=device)  # noqa: E731
-    key = quant.sr_bits(quant.sr_bits(seed, scalar(slot)), scalar(counter))
-    numel = math.prod(state_shape)
-    return quant.sr_bits(key, torch.arange(numel, dtype=torch.int64, device=device)).view(tuple(state_shape))
+
+    def word(v):
+        v = v.to(device=device, dtype=torch.int64) if isinstance(v, torch.Tensor) else torch.tensor(v, device=device)
+        return v & _SEED_MASK
+
+    key = quant.sr_bits(quant.sr_bits(seed, word(slot)), word(counter))
+    flat = torch.arange(math.prod(state_shape), dtype=torch.int64, device=device)
+    return quant.sr_bits(key.unsqueeze(-1), flat).view(tuple(key.shape) + tuple(state_shape))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes as uint8 (selects and scatters of float8 tensors are not implemented everywhere)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _as_int(name: str, value, minimum: Optional[int] = None) -> int:
@@ -217,7 +222,7 @@ class _SlotPool:
 
     def _setup_pool(self, num_slots, dims: Sequence, window, max_draft, dtype, device, pad_slot_id,
                     checkpoint: Optional[torch.Tensor], checkpoint_format="fp32", read_copy=None,
-                    shared=False, sr_seed=None) -> None:
+                    shared=False, sr_seed=None, table: Optional[SequenceTable] = None) -> None:
         num_slots = _as_int("num_slots", num_slots, 1)
         dims = {name: _as_int(name, value, 1) for name, value in zip(self._DIMS, dims)}
         window = _as_int("window", window, 1)
@@ -248,6 +253,12 @@ class _SlotPool:
             raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
         if checkpoint is not None:  # from_state: the engine's fp32 pool is the checkpoint
             device = checkpoint.device
+        if table is not None:
+            if not isinstance(table, SequenceTable):
+                raise TypeError(f"table must be None or a SequenceTable, got {type(table).__name__}")
+            diff = table.mismatch(num_slots, window, max_draft, device, pad_slot_id)
+            if diff is not None:
+                raise ValueError(f"table: a cache shares a SequenceTable made with its own pool arguments; got {diff}")
         if device.type != "cpu":
             self._check_kernel_range(dims, window, max_draft, device)
 
@@ -259,7 +270,6 @@ class _SlotPool:
         self.capacity = window + max_draft
         self.dtype = dtype
         self.pad_slot_id = pad_slot_id
-        self.pending_verify: Optional[PendingVerify] = None
 
         self._allocate_copies(num_slots, device, checkpoint)
         device = self.checkpoint.device
@@ -270,12 +280,12 @@ class _SlotPool:
             if kept and not self.is_conventional:
                 ring = torch.zeros((num_slots, self.capacity) + shape, dtype=ring_dtype, device=device)
             setattr(self, name, ring)
-        for name in _INDEX_TENSORS:
-            setattr(self, name, torch.zeros((num_slots,), dtype=_IDX_DTYPE, device=device))
-        self.sr_seed = self.sr_counter = None
+        self.owns_table = table is None
+        self.table = SequenceTable(num_slots, window, max_draft, device=device, pad_slot_id=pad_slot_id) \
+            if table is None else table
+        self.sr_seed = None
         if self.checkpoint_format != "fp32":
             self.sr_seed = torch.tensor([self._sr_seed_value], dtype=torch.int64, device=device)
-            self.sr_counter = torch.zeros((num_slots,), dtype=_IDX_DTYPE, device=device)
 
     def _check_kernel_range(self, dims: dict, window: int, max_draft: int, device) -> None:
         """A cache off the CPU must have a shape the GPU kernels run (``_KERNEL_DIMS`` and the
@@ -377,14 +387,35 @@ class _SlotPool:
         return tuple(getattr(self, name) for name in self._STATE_DIMS)
 
     @property
+    def cursor(self) -> torch.Tensor:
+        """(slots,) int32: committed records h of each slot (the table's ``committed``)."""
+        return self.table.committed
+
+    @property
+    def origin(self) -> torch.Tensor:
+        """(slots,) int32: ring index of each slot's record 0 (the table's)."""
+        return self.table.origin
+
+    @property
+    def sr_counter(self) -> Optional[torch.Tensor]:
+        """(slots,) int32: SR writes of each slot (the table's ``sr_writes``), with a
+        low-precision checkpoint; else None."""
+        return self.table.sr_writes if self.checkpoint_format != "fp32" else None
+
+    @property
+    def pending_verify(self) -> Optional[StepPlan]:
+        """The verify plan awaiting its commit on the cache's table, or None."""
+        return self.table.pending
+
+    @property
     def pending_drafts(self) -> Optional[int]:
         """T of the verify awaiting its commit, or None (module docstring: the protocol)."""
         return None if self.pending_verify is None else self.pending_verify.num_drafts
 
     def _refuse_while_verify_pending(self, op: str) -> None:
         """Refuse ``op`` between a verify and its commit: the drafts sit in the ring behind
-        cursors that only the commit makes consistent (on the GPU the cursor and origin still
-        say what verify read while a flushing row's checkpoint already holds the fold)."""
+        positions that only the commit makes consistent (a flushing row's checkpoint already
+        holds the fold while the table still says what verify read)."""
         if self.pending_verify is not None:
             raise ValueError(
                 f"{op}: argument 'cache': a verify of {self.pending_verify.num_drafts} drafts awaits its commit; "
@@ -425,37 +456,52 @@ class _SlotPool:
         "checkpoint" (the recurrence checkpoint) or "read_copy". Slot ids may repeat. Refused
         while a verify awaits its commit."""
         self._refuse_while_verify_pending("read_state")
+        return self._decoded(self._slot_ids(slot_ids, allow_duplicates=True), copy)
+
+    def _decoded(self, ids: List[int], copy: str) -> torch.Tensor:
+        """``read_state`` of validated ids without the protocol's guard: what a step itself reads."""
         fmt, data, scales = self._copy(copy)
-        ids = self._slot_ids(slot_ids, allow_duplicates=True)
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         if fmt is None:
             return data[idx].clone()
         return fmt.decode(data[idx], tuple(t[idx] for t in scales))
 
-    def _write_state_(self, ids: List[int], state: torch.Tensor) -> None:
-        """Write one fp32 state per slot of ``ids`` (validated, distinct) into every copy: as is
-        into an fp32 checkpoint, with SR (bits of ``checkpoint_sr_bits``, then sr_counter += 1)
-        into a low-precision one, with RTN into the read copy. Cursors are not touched."""
+    def _write_state_(self, ids: List[int], state: torch.Tensor, sr_writes: Optional[List[int]] = None) -> None:
+        """Write one fp32 state per slot of ``ids`` (validated, distinct) into every copy
+        (``write_rows_``). The SR bits are those of write ``sr_writes[i]`` (a step's plan: the
+        table advances itself), or by default of the table's counter, which is then advanced (a
+        hand-over outside a step). Positions are not touched."""
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        counters = self.table.sr_writes
+        writes = counters[idx] if sr_writes is None else torch.tensor(sr_writes, dtype=torch.int32, device=self.device)
+        self.write_rows_(idx, state, writes)
+        if self.sr_counter is not None and sr_writes is None:
+            counters[idx] += 1
+
+    def write_rows_(self, target: torch.Tensor, state: torch.Tensor, sr_writes: torch.Tensor,
+                    write: Optional[torch.Tensor] = None) -> None:
+        """Write ``state[i]`` (cast to fp32) into every copy of slot ``target[i]``: as is into an fp32
+        checkpoint, with SR into a low-precision one (the bits of write ``sr_writes[i]`` of that
+        slot), with RTN into the read copy. On the device with no host read (graph-capturable);
+        ``write``, a 0-d bool tensor, False writes every target's stored bytes back instead (a
+        lifecycle call with no live row, ``table.scatter_rows``). Rows naming one slot must carry
+        the same state."""
         state = state.to(device=self.device, dtype=torch.float32)
         for copy in _COPIES:
             if copy == "read_copy" and self.read_copy_format is None:
                 continue
             fmt, data, scales = self._copy(copy)
             if fmt is None:
-                data[idx] = state
-                continue
-            if copy == "checkpoint":
-                bits = torch.stack([checkpoint_sr_bits(self.sr_seed, s, int(self.sr_counter[s]), self._state_shape)
-                                    for s in ids])
-                enc = fmt.encode_sr(state, bits)
+                values = (state,)
             else:
-                enc = fmt.encode_rtn(state)
-            data[idx] = enc.data
-            for t, v in zip(scales, enc.scales):
-                t[idx] = v
-        if self.sr_counter is not None:
-            self.sr_counter[idx] += 1
+                enc = (fmt.encode_sr(state, checkpoint_sr_bits(self.sr_seed, target, sr_writes, self._state_shape))
+                       if copy == "checkpoint" else fmt.encode_rtn(state))
+                values = (enc.data,) + tuple(enc.scales)
+            for dst, value in zip((data,) + scales, values):
+                dst, value = _as_bytes(dst), _as_bytes(value)
+                if write is not None:
+                    value = torch.where(write, value, dst[target])
+                dst.index_put_((target,), value)
 
     def _slot_ids(self, slot_ids, name: str = "slot_ids", allow_duplicates: bool = False,
                   allow_pad: bool = False) -> list:
@@ -492,9 +538,13 @@ class _SlotPool:
         low-precision checkpoint (advancing sr_counter), RTN into the read copy.
 
         state: (n, *checkpoint shape of one slot), any floating dtype, one entry per slot id.
-        Refused while a verify awaits its commit.
+        Refused while a verify awaits its commit, and on a cache sharing its table with other
+        layers (their positions would move too; reset the table once per model step instead).
         """
         self._refuse_while_verify_pending("load_prefill")
+        if not self.owns_table:
+            raise ValueError("load_prefill: argument 'cache': the cache shares a SequenceTable; hand prefill states "
+                             "over for every layer of the model, then call table.reset(slot_ids) once")
         ids = self._slot_ids(slot_ids)
         if not isinstance(state, torch.Tensor):
             raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
@@ -514,8 +564,9 @@ class _SlotPool:
         """Bytes per slot of every tensor (0 for a ring this configuration does not keep),
         plus "total". The state copies' parts come first: "checkpoint" (its data), then
         "checkpoint_scale" / "checkpoint_state_scale", "read_copy", "read_copy_scale",
-        "read_copy_state_scale" where the configuration has them; "sr_counter" after the
-        index tensors when the checkpoint is low precision. (``sr_seed``, 8 bytes, is per cache.)"""
+        "read_copy_state_scale" where the configuration has them; then, when the cache owns its
+        sequence table, the table's "cursor", "origin" and "sr_counter" (a shared table belongs to
+        the model: ``SequenceTable.bytes_per_slot``). (``sr_seed``, 8 bytes, is per cache.)"""
         sizes = {}
         for prefix, fmt in zip(_COPIES, (self.checkpoint_format, self.read_copy_format)):
             for suffix, shape, dt in ([] if fmt is None else _copy_layout(fmt, self._state_shape)):
@@ -524,11 +575,8 @@ class _SlotPool:
             kept = kept and not self.is_conventional
             itemsize = torch.empty((), dtype=ring_dtype).element_size()
             sizes[name] = self.capacity * math.prod(shape) * itemsize if kept else 0
-        idx = torch.empty((), dtype=_IDX_DTYPE).element_size()
-        for name in _INDEX_TENSORS:
-            sizes[name] = idx
-        if self.sr_counter is not None:
-            sizes["sr_counter"] = idx
+        if self.owns_table:
+            sizes.update(zip(("cursor", "origin", "sr_counter"), [self.table.bytes_per_slot // 3] * 3))
         sizes["total"] = sum(sizes.values())
         return sizes
 
@@ -591,10 +639,11 @@ class Mamba2Cache(_SlotPool):
         read_copy: Optional[str] = None,
         shared: bool = False,
         sr_seed: Optional[int] = None,
+        table: Optional[SequenceTable] = None,
     ) -> None:
         self._setup_pool(num_slots, (nheads, headdim, dstate, ngroups), window, max_draft, dtype, device,
                          pad_slot_id, checkpoint=None, checkpoint_format=checkpoint_format, read_copy=read_copy,
-                         shared=shared, sr_seed=sr_seed)
+                         shared=shared, sr_seed=sr_seed, table=table)
 
     def _check_dims(self, nheads, headdim, dstate, ngroups) -> None:
         if nheads % ngroups != 0:
@@ -715,10 +764,12 @@ class GDNCache(_SlotPool):
         shared: bool = False,
         sr_seed: Optional[int] = None,
         flush_corrections: Optional[str] = None,
+        table: Optional[SequenceTable] = None,
     ) -> None:
         self._setup(num_slots, (num_v_heads, head_v_dim, head_k_dim, num_k_heads), window, max_draft, dtype,
                     device, pad_slot_id, keep_v_beta, checkpoint=None, checkpoint_format=checkpoint_format,
-                    read_copy=read_copy, shared=shared, sr_seed=sr_seed, flush_corrections=flush_corrections)
+                    read_copy=read_copy, shared=shared, sr_seed=sr_seed, flush_corrections=flush_corrections,
+                    table=table)
 
     def _setup(self, num_slots, dims, window, max_draft, dtype, device, pad_slot_id, keep_v_beta,
                checkpoint: Optional[torch.Tensor], flush_corrections=None, **formats) -> None:

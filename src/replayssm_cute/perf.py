@@ -20,7 +20,7 @@ from .layers import GDNLayer, Mamba2Layer, model_cache
 from .runtime import launch
 from .runtime.tuning import batch_bucket
 
-__all__ = ["DecodePool", "bench_layer", "compile_commit_kernel", "compile_pool_kernel", "cursor_cycle",
+__all__ = ["DecodePool", "bench_layer", "compile_table_kernels", "compile_pool_kernel", "cursor_cycle",
            "ideal_bytes", "time_graph", "verify_ideal_bytes"]
 
 ROTATION_BYTES = 512 << 20
@@ -235,13 +235,15 @@ def _generators(gen, device):
 def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1, read_copy=None):
     """Build (or load from the compile cache) the kernel a ``DecodePool(model, batch, window)``
     step launches with ``config``; with ``drafts`` T > 0, that of a ``DecodePool(model, batch,
-    window, drafts=T)`` speculative step: verify (window > 1; ``compile_commit_kernel`` builds
-    the commit after it) or the snapshot baseline (window 1); with ``read_copy``, those of a
+    window, drafts=T)`` speculative step: verify (window > 1; ``compile_table_kernels`` builds
+    the plan before it and the commit after it) or the snapshot baseline (window 1); with ``read_copy``, those of a
     pool with that read copy (``DecodePool(..., read_copy=...)``). Needs no GPU when
     ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it.
     A decode step with a read copy or with ``config`` None is looked up as decode() does, from
     a cache of the pool's layout on the meta device."""
     layer = bench_layer(model)
+    if window > 1:  # the step's plan (and the verify's commit)
+        compile_table_kernels(window, drafts)
     if not drafts and read_copy is None and config is not None:
         return layer.compile(layer.kernel_shape(model, window), config)
     # dims and formats only, nothing allocated
@@ -251,12 +253,15 @@ def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int 
     return layer.speculative_kernel(cache, drafts, batch, config)
 
 
-def compile_commit_kernel(window: int, drafts: int):
-    """Build (or load from the compile cache) the commit kernel that follows a verify of T =
-    ``drafts`` on a pool of window L (the same for every layer type and dims: it moves cursors)."""
-    from .kernels.commit import CommitShape
-
-    return launch.commit_launcher(CommitShape(window, window + drafts, drafts))
+def compile_table_kernels(window: int, drafts: int = 0) -> None:
+    """Build (or load from the compile cache) the sequence-table kernels of a pool of window L and
+    room for T = ``drafts`` drafts (the same for every layer type and dims: they move positions):
+    the plan of a decode step, and with T the plan of a verify step and its commit."""
+    capacity = window + drafts
+    launch.table_launcher("plan", window, capacity, 0, -1)
+    if drafts:
+        launch.table_launcher("plan", window, capacity, drafts, -1)
+        launch.table_launcher("commit", window, capacity, drafts, -1)
 
 
 def _step_sizes(model):

@@ -5,7 +5,7 @@
         [--read-copies fp16,fp8,nvfp4] [--dump-ptx DIR] [--workers N]
 
 A server that runs this at build time starts warm: `decode` (and with --drafts, `verify` and
-`commit`) finds its kernels on disk. The variants are those `decode` asks for with the engines'
+`commit`) finds its kernels on disk, with the sequence table's plan kernel of a ReplaySSM step. The variants are those `decode` asks for with the engines'
 usual arguments, for the conventional step (window 1) and ReplaySSM (--window), each with every
 launch config decode picks over the batch buckets (1, 2, 4, ..., 1024) on the target device:
 
@@ -27,7 +27,7 @@ and what every device with tuned configs picks at that arch.
 max_draft = max(T) and the same window, for either layer type: the standard decode kernels on
 that cache (its ring is window + max_draft records, a different kernel from the window-only
 cache's), the verify kernel for each draft count T with the launch configs verify picks, and
-the commit kernel for each T. Each T needs 1 <= T <= min(16, window), and window + max(T) <= 32.
+the sequence-table kernels (plan and commit) for each T. Each T needs 1 <= T <= min(16, window), and window + max(T) <= 32.
 --dump-ptx covers these kernels too.
 
 --read-copies F1,F2,... (default: none) adds the ReplaySSM decode kernels (--window) of caches
@@ -206,10 +206,24 @@ class DraftVariant(NamedTuple):
     """One kernel that speculative decoding needs (``draft_variants``)."""
 
     label: str
-    kind: str  # "decode" (on the draft cache), "verify" or "commit"
-    shape: object  # Mamba2Shape / GDNShape, or CommitShape for "commit"
-    config: object  # launch config; None for "commit"
-    num_drafts: int  # T of a verify / commit kernel; 0 for "decode"
+    kind: str  # "decode", "verify", or a sequence-table kernel: "plan" or "commit"
+    shape: object  # Mamba2Shape / GDNShape, or kernels.table.TableShape for "plan" / "commit"
+    config: object  # launch config; None for "plan" / "commit"
+    num_drafts: int  # T of a verify / plan / commit kernel; 0 for "decode" and a decode step's plan
+
+
+def table_variants(layer: str, window: int, capacity: int, drafts, cache: str, pad_slot_id: int = -1):
+    """The sequence-table kernels (kernels/table.py) of a cache of `window` and `capacity`: the
+    plan of a standard decode step, and for each T of `drafts` the plan of a verify step and its
+    commit."""
+    from .kernels.table import TableShape
+
+    out = [DraftVariant(f"{layer}_plan_{cache}_T0", "plan", TableShape(window, capacity, 0, pad_slot_id), None, 0)]
+    for T in drafts:
+        shape = TableShape(window, capacity, T, pad_slot_id)
+        out += [DraftVariant(f"{layer}_plan_{cache}_T{T}", "plan", shape, None, T),
+                DraftVariant(f"{layer}_commit_{cache}_T{T}", "commit", shape, None, T)]
+    return out
 
 
 def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad_slot_id: int = -1,
@@ -217,10 +231,10 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     """Every kernel that speculative decoding with `drafts` draft counts needs at this model shape,
     on a cache with max_draft = max(drafts) and `window`: the decode kernels on that cache (its
     capacity differs from the window-only cache's), one verify kernel per (dtype, T, launch config)
-    and one commit kernel per T. Launch configs: those decode and verify pick on `platforms`
+    and the cache's sequence-table kernels (``table_variants``). Launch configs: those decode and verify pick on `platforms`
     (``_picked``). Arguments as ``variants`` (the engines' usual ones).
     ``read_copy``: those of a cache with that read copy next to an fp32 checkpoint (GDN keeping v
-    and beta, re-deriving at a flush), without the commit kernels (the plain cache's).
+    and beta, re-deriving at a flush), without the table kernels (the plain cache's).
     Raises ValueError (naming --drafts) when the draft counts do not apply."""
     import torch
 
@@ -228,7 +242,6 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
     reason = _option_error(model, with_z, window, drafts)
     if reason is not None:
         raise ValueError(reason)
-    from .kernels.commit import CommitShape
     from .layers import LAYERS
 
     layer = model.layer
@@ -253,23 +266,22 @@ def draft_variants(model, window: int, drafts, dtypes, with_z: bool = False, pad
                     raise ValueError(f"--drafts: the verify kernel cannot take T = {T} with {cfg}: {reason}")
                 out.append(DraftVariant(f"{layer}_verify_{cache}_T{T}_{dname}_{config_label(cfg)}",
                                         "verify", shape, cfg, T))
-    for T in drafts if read_copy is None else []:
-        out.append(DraftVariant(f"{layer}_commit_{cache}_T{T}", "commit",
-                                CommitShape(window, capacity, T, pad_slot_id), None, T))
+    if read_copy is None:
+        out += table_variants(layer, window, capacity, drafts, cache, pad_slot_id)
     return out
 
 
 def compile_draft_variant(layer: str, variant: DraftVariant):
     """Build one of `draft_variants` into the compile cache (or load it); returns the kernel."""
     from .layers import LAYERS
-    from .runtime.launch import commit_launcher, launcher
+    from .runtime.launch import launcher, table_launcher
 
     if variant.kind == "decode":
         return compile_variant(layer, variant.shape, variant.config)
     if variant.kind == "verify":
         return launcher(LAYERS[layer].verify_kernel, variant.shape, variant.num_drafts, 1, variant.config)
-    if variant.kind == "commit":
-        return commit_launcher(variant.shape)
+    if variant.kind in ("plan", "commit"):
+        return table_launcher(variant.kind, *variant.shape.key())
     raise ValueError(f"unknown kernel kind {variant.kind!r}")
 
 
@@ -303,10 +315,11 @@ def dump_draft_ptx(layer: str, variant: DraftVariant, path: Path) -> None:
     if variant.kind == "verify":
         return _write_ptx(lambda options: LAYERS[layer].verify_kernel.build(
             variant.shape, variant.config, variant.num_drafts, options), path)
-    if variant.kind == "commit":
-        from .kernels.commit import compile_commit
+    if variant.kind in ("plan", "commit"):
+        from .kernels.table import compile_commit, compile_plan
 
-        return _write_ptx(lambda options: compile_commit(variant.shape, options), path)
+        build = compile_plan if variant.kind == "plan" else compile_commit
+        return _write_ptx(lambda options: build(variant.shape, options), path)
     raise ValueError(f"unknown kernel kind {variant.kind!r}")
 
 
@@ -513,6 +526,7 @@ def main(argv=None) -> int:
     spec = [DraftVariant(label, "decode", shape, cfg, 0)
             for label, shape, cfg in variants(model, args.window, dtypes, args.with_z, platforms)
             + read_copy_variants(model, args.window, dtypes, read_copies, platforms=platforms)]
+    spec += table_variants(layer, args.window, args.window, (), f"L{args.window}")
     if drafts is not None:
         try:
             spec += [v for r in [None] + read_copies

@@ -388,5 +388,4 @@ def test_gdn_decode_over_windows_matches_the_conventional_recurrence(window, pad
             assert e < tol, f"step {step} slot {s}: materialized state off by {e:.2e}"
         for n, t in _snapshot_tensors(cache).items():
             assert torch.equal(t[idle], idle_before[n]), f"step {step}: {n} of a slot not in the batch was written"
-    assert not cache.arrivals.any()
     assert flushes >= 5 * len(slots)

@@ -125,8 +125,9 @@ LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer}
 
 def _bits(cache):
     """Every tensor of the cache (bit patterns) and its pending verify."""
-    tensors = {n: t.detach().clone().contiguous().view(-1).view(torch.uint8)
-               for n, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    named = {n: t for n, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    named.update(committed=cache.table.committed, origin=cache.table.origin, sr_writes=cache.table.sr_writes)
+    tensors = {n: t.detach().clone().contiguous().view(-1).view(torch.uint8) for n, t in named.items()}
     return tensors, getattr(cache, "pending_drafts", None)
 
 

@@ -142,7 +142,7 @@ def test_memory_per_slot(shape, window, max_draft, dtype, keep):
     cap = window + max_draft
     act = checks.ACT_BYTES[dtype]
     ring = window > 1
-    assert list(m) == ["checkpoint", *_RINGS, "cursor", "origin", "arrivals", "total"]
+    assert list(m) == ["checkpoint", *_RINGS, "cursor", "origin", "sr_counter", "total"]
     assert m["checkpoint"] == 4 * nh * vd * kd
     assert m["ring_u"] == (cap * nh * vd * 2 if ring else 0)
     assert m["ring_k"] == (cap * nkh * kd * act if ring else 0)

@@ -83,9 +83,15 @@ def _assert_copy_is(cache, copy, s, expected32, mode, counter=None):
         assert torch.equal(a, b), f"{copy} part {i} of slot {s} is not quant's {mode} encoding"
 
 
+def _tensors(cache) -> dict:
+    """Every tensor of the cache, with its table's positions under the cache's names."""
+    named = {n: t for n, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    named.update((n, getattr(cache, n)) for n in ("cursor", "origin", "sr_counter") if getattr(cache, n) is not None)
+    return named
+
+
 def _snap(cache):
-    names = [n for n in vars(cache) if isinstance(getattr(cache, n), torch.Tensor)]
-    return {n: getattr(cache, n).clone() for n in names}
+    return {n: t.clone() for n, t in _tensors(cache).items()}
 
 
 def _heads_scale(g, n):
@@ -379,8 +385,8 @@ def test_memory_per_slot_parts_and_allocation():
         c = layer.cache(3, **kw)
         m = c.memory_per_slot()
         assert m["total"] == sum(v for k, v in m.items() if k != "total")
-        allocated = sum(t.numel() * t.element_size() for n, t in vars(c).items()
-                        if isinstance(t, torch.Tensor) and n != "sr_seed")
+        allocated = sum(t.numel() * t.element_size() for n, t in _tensors(c).items() if n != "sr_seed")
+        allocated += 0 if c.sr_counter is not None else c.table.sr_writes.nbytes  # the own table's, unused
         assert allocated == c.num_slots * m["total"], (kind, kw)
         S = _state_shape(c)
         V, K = S[-2], S[-1]
@@ -388,7 +394,7 @@ def test_memory_per_slot_parts_and_allocation():
         assert sum(v for k, v in m.items() if k.startswith("checkpoint")) == ck
         rc = 0 if c.read_copy is None else quant.bytes_per_state(_fmt(c.read_copy_format, K), V, K) * S[0]
         assert sum(v for k, v in m.items() if k.startswith("read_copy")) == rc
-        assert m.get("sr_counter", 0) == (4 if c.checkpoint_format != "fp32" else 0)
+        assert m["sr_counter"] == 4  # the cache's own table's counter, whatever the format
 
 
 def test_memory_model_numbers():
@@ -397,7 +403,7 @@ def test_memory_model_numbers():
     m = Mamba2Cache(1, 128, 64, 128, 8, window=16, checkpoint_format="fp16", read_copy="nvfp4").memory_per_slot()
     assert m["checkpoint"] == 2_097_152
     assert m["read_copy"] == 524_288 and m["read_copy_scale"] == 65_536 and m["read_copy_state_scale"] == 512
-    assert m["total"] == base["total"] - 4_194_304 + 2_097_152 + 524_288 + 65_536 + 512 + 4
+    assert m["total"] == base["total"] - 4_194_304 + 2_097_152 + 524_288 + 65_536 + 512
     m = Mamba2Cache(1, 128, 64, 128, 8, window=16, checkpoint_format="fp8", shared=True).memory_per_slot()
     assert m["checkpoint"] == 1_048_576 and m["checkpoint_scale"] == 32_768 and "read_copy" not in m
     # Qwen3.5-122B GDN layer (64 x 128 x 128, 16 key heads): a read copy adds the v / beta records
@@ -788,7 +794,8 @@ def test_verify_on_two_precision_cache(kind):
             if flush:
                 flushes += 1
                 assert torch.equal(y_ref[r], y_per[r]), "a flush step read the read copy"
-                assert int(ref.sr_counter[s]) == int(cnt[s]) + 1 and int(ref.cursor[s]) == 0
+                # the table (SR counter, h, origin) moves at the commit
+                assert int(ref.sr_counter[s]) == int(cnt[s]) and int(ref.cursor[s]) == hs[s]
                 assert torch.equal(_raw(ref.read_copy[s]), _raw(per.read_copy[s]))
                 dirty.discard(s)
             elif s in dirty:
@@ -824,8 +831,15 @@ def test_verify_flush_writes_quant_casts_of_one_fp32_state():
                                     before["ring_dt"][s, idx][None], layer.A)[0].float()
             _assert_copy_is(c, "checkpoint", s, S_new, "sr", counter=int(before["sr_counter"][s]))
             _assert_copy_is(c, "read_copy", s, S_new, "rtn")
-            assert int(c.origin[s]) == (o + h) % cap and int(c.cursor[s]) == 0
-        R.commit_cache_(c, ids, torch.tensor([T, 1 + step % T]), num_drafts=T)
+            assert int(c.origin[s]) == o and int(c.cursor[s]) == h  # the commit moves them
+        acc = [T, 1 + step % T]
+        R.commit_cache_(c, ids, torch.tensor(acc), num_drafts=T)
+        for s, a in zip(ids, acc):
+            h = int(before["cursor"][s])
+            folded = h + T > window
+            assert int(c.cursor[s]) == (a if folded else h + a)
+            assert int(c.origin[s]) == (int(before["origin"][s]) + (h if folded else 0)) % c.capacity
+            assert int(c.sr_counter[s]) == int(before["sr_counter"][s]) + folded
 
 
 # ----------------------------------------------------------------------------- API on the CPU

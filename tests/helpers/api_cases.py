@@ -18,9 +18,8 @@ B_ROWS = 3
 CURSORS = [0, 1, 2, 3, 1, 2]
 SLOT_IDS = [3, 1, 5]
 
-CACHE_TENSORS = ("checkpoint", "ring_x", "ring_B", "ring_dt", "cursor", "origin", "arrivals")
-GDN_TENSORS = ("checkpoint", "ring_u", "ring_k", "ring_g", "ring_v", "ring_beta", "cursor", "origin",
-               "arrivals")
+CACHE_TENSORS = ("checkpoint", "ring_x", "ring_B", "ring_dt", "cursor", "origin")
+GDN_TENSORS = ("checkpoint", "ring_u", "ring_k", "ring_g", "ring_v", "ring_beta", "cursor", "origin")
 
 HV, V, K, KH = 4, 16, 32, 2  # value heads, V, K, key heads (2 value heads per key head)
 
@@ -53,6 +52,8 @@ def clone_cache(c):
     for n in tensor_names(c):
         if getattr(c, n) is not None:
             getattr(d, n).copy_(getattr(c, n))
+    if c.table.pending is not None:  # a verify awaiting its commit: the clone awaits it too
+        d.table.pending = d.table.last_plan = c.table.pending._replace(table=d.table)
     return d
 
 

@@ -14,8 +14,8 @@ ACT_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 def snapshot(cache, rings):
     """Clones of every allocated cache tensor: the checkpoint, the rings named in `rings`, and
-    the cursor, origin and arrivals."""
-    names = ("checkpoint", *rings, "cursor", "origin", "arrivals")
+    the cursor and origin."""
+    names = ("checkpoint", *rings, "cursor", "origin")
     return {n: getattr(cache, n).clone() for n in names if getattr(cache, n) is not None}
 
 
@@ -30,7 +30,7 @@ def check_layout(c, expect):
     """Every tensor of `expect` (name -> (shape, dtype), plus the int32 per-slot counters) has
     that shape and dtype, is contiguous with a unit inner stride, and is all zeros."""
     n = c.num_slots
-    expect = dict(expect, cursor=((n,), torch.int32), origin=((n,), torch.int32), arrivals=((n,), torch.int32))
+    expect = dict(expect, cursor=((n,), torch.int32), origin=((n,), torch.int32))
     for name, (shape, dtype) in expect.items():
         t = getattr(c, name)
         assert tuple(t.shape) == shape and t.dtype == dtype, name
@@ -68,9 +68,9 @@ def check_constructor_rejects(cls, base, positional, changes, exc, match):
 def check_memory_totals(c, m, rings):
     """The per-slot counters take 4 bytes each, the total adds the parts up, and the tensors
     the cache allocated are exactly num_slots times the total."""
-    assert m["cursor"] == m["origin"] == m["arrivals"] == 4
+    assert m["cursor"] == m["origin"] == m["sr_counter"] == 4  # the cache's own sequence table
     assert m["total"] == sum(v for k, v in m.items() if k != "total")
-    allocated = sum(t.numel() * t.element_size() for t in snapshot(c, rings).values())
+    allocated = sum(t.numel() * t.element_size() for t in snapshot(c, rings).values()) + c.table.sr_writes.nbytes
     assert allocated == c.num_slots * m["total"]
 
 
@@ -219,7 +219,6 @@ class DecodeDriver:
             ret = self.decode(inputs, torch.tensor(ids), out)
             assert ret is out
 
-            assert not cache.arrivals.any()
             for r, s in enumerate(ids):
                 if s not in live:
                     assert torch.equal(out[r], out_before[r]), f"skipped row {r} (slot {s}) was written"

@@ -3,8 +3,8 @@
 ``<label>.ptx`` in the working directory. Small heads and a short window keep the builds quick; the
 variants cover every state path: light entry tiles (fp16 / fp8, a read copy or the checkpoint
 itself), whole-head nvfp4 writers, SR checkpoints, GDN re-derivation and folding, window 1, the
-verify kernels' decoded entry tiles and flushes into every copy, and the commit that advances the
-SR counter.
+verify kernels' decoded entry tiles and flushes into every copy, and the sequence table's plan and
+commit that advance the SR counter.
 """
 
 import os
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from replayssm_cute.runtime.compile_cache import compile_options  # noqa: E402
-from replayssm_cute.kernels.commit import CommitShape, compile_commit  # noqa: E402
+from replayssm_cute.kernels.table import TableShape, compile_commit, compile_plan  # noqa: E402
 from replayssm_cute.kernels.gdn.config import GDNConfig, GDNShape  # noqa: E402
 from replayssm_cute.kernels.gdn.decode import compile_decode as compile_gdn  # noqa: E402
 from replayssm_cute.kernels.gdn.verify import compile_verify as compile_gdn_verify  # noqa: E402
@@ -63,7 +63,8 @@ def variants():
         fold = "rederive" if rederive else "fold"
         out.append((f"gdnverify_{ckpt}_{read}_L4_{fold}",
                     lambda o, s=shape, c=config: compile_gdn_verify(s, c, DRAFTS, o)))
-    out.append(("commit_fp16_None_sr", lambda o: compile_commit(CommitShape(4, cap, DRAFTS, stochastic=True), o)))
+    out.append(("commit_fp16_None_sr", lambda o: compile_commit(TableShape(4, cap, DRAFTS), o)))
+    out.append(("plan_fp16_None_sr", lambda o: compile_plan(TableShape(4, cap), o)))
     return out
 
 

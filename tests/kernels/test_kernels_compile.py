@@ -144,7 +144,9 @@ def _expected_labels(model, arch):
     from replayssm_cute import precompile
 
     platforms = precompile.target_platforms(None, arch)
-    return [label for label, _, _ in precompile.variants(_spec(model), WINDOW, ["bf16"], platforms=platforms)]
+    spec = _spec(model)
+    return ([label for label, _, _ in precompile.variants(spec, WINDOW, ["bf16"], platforms=platforms)]
+            + [v.label for v in precompile.table_variants(spec.layer, WINDOW, WINDOW, (), f"L{WINDOW}")])
 
 
 def test_precompile_succeeds(build):
@@ -167,7 +169,9 @@ def test_every_variant_is_built_with_one_ptx_file(build):
         assert path.is_file() and path.stat().st_size > 0
     assert sorted(p.name for p in build.ptx_dir.iterdir()) == sorted(p.name for p in paths)
     # The compile cache holds one object per variant.
-    assert len(list(build.cache_dir.glob(f"{_spec(build.model).layer}_decode-*.o"))) == len(labels)
+    decode = [lb for lb in labels if "_plan_" not in lb]
+    assert len(list(build.cache_dir.glob(f"{_spec(build.model).layer}_decode-*.o"))) == len(decode)
+    assert len(list(build.cache_dir.glob("table_plan-*.o"))) == len(labels) - len(decode) == 1
 
 
 def _ptx_files(build):
@@ -187,8 +191,8 @@ def test_ptx_streams_the_state_with_tma(build):
     files = _ptx_files(build)
     assert any("replay" in f.name for f in files)
     assert any("conventional" in f.name for f in files)
-    for f in files:  # replay kernels, and the conventional ones (window 1) too
-        assert "cp.async.bulk.tensor" in f.read_text(), f.name
+    for f in files:  # replay kernels, and the conventional ones (window 1) too; not the step's plan
+        assert ("cp.async.bulk.tensor" in f.read_text()) == ("_plan_" not in f.name), f.name
 
 
 def test_ptx_declares_no_local_memory(build):
@@ -360,6 +364,7 @@ def test_draft_kernels_are_built_with_one_ptx_file(draft_build):
         assert labels == [v.label for v in want], draft_build.tail()
         assert sum("_verify_" in lb for lb in labels) == _verify_configs(model, draft_build.large_only) * len(DRAFT_CASES[model])
         assert sum("_commit_" in lb for lb in labels) == len(DRAFT_CASES[model])
+        assert sum("_plan_" in lb for lb in labels) == 1 + len(DRAFT_CASES[model])
         for label, _, path, _ in built:
             path = Path(path)
             assert path == draft_build.ptx_dir / model / f"{label}.{draft_build.arch}.ptx"
@@ -374,15 +379,15 @@ def test_draft_ptx_targets_the_arch(draft_build):
 
 
 def test_verify_ptx_streams_the_checkpoint_with_tma(draft_build):
-    """Verify (and decode on the draft cache) read the checkpoint with TMA; commit touches only the
-    per-slot indices, so it has no TMA."""
+    """Verify (and decode on the draft cache) read the checkpoint with TMA; the sequence-table
+    kernels (plan, commit) touch only per-row and per-slot positions, so they have no TMA."""
     kinds = set()
     for _, (label, _, path, _) in draft_build.kernels():
         tma = "cp.async.bulk.tensor" in Path(path).read_text()
-        kind = "commit" if "_commit_" in label else "verify" if "_verify_" in label else "decode"
+        kind = "table" if ("_commit_" in label or "_plan_" in label) else "verify" if "_verify_" in label else "decode"
         kinds.add(kind)
-        assert tma == (kind != "commit"), (label, tma)
-    assert kinds == ({"decode", "verify", "commit"} if draft_build.decode_models else {"verify", "commit"})
+        assert tma == (kind != "table"), (label, tma)
+    assert kinds == ({"decode", "verify", "table"} if draft_build.decode_models else {"verify", "table"})
 
 
 def test_draft_ptx_declares_no_local_memory(draft_build):

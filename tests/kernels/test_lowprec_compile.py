@@ -3,7 +3,7 @@
 target without local memory, rounds to nearest with the hardware conversions (fp16 / E4M3 writes,
 E4M3 reads; E2M1 reads on sm_100a / sm_103a) and stochastically with the software generator (two
 fmix32 multiplies) where it writes a low-precision checkpoint; verify kernels load their entry tile
-with TMA; the commit of an SR cache advances the write counter."""
+with TMA; the table's plan and commit advance the SR write counter."""
 
 import os
 import re
@@ -24,12 +24,16 @@ def test_low_precision_variants_compile_for_every_target(arch, tmp_path):
     proc = subprocess.run([sys.executable, str(HERE / "_lowprec_kernels.py")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("compiled") == len(MAMBA2) + len(GDN) + len(MAMBA2_VERIFY) + len(GDN_VERIFY) + 1
+    assert proc.stdout.count("compiled") == len(MAMBA2) + len(GDN) + len(MAMBA2_VERIFY) + len(GDN_VERIFY) + 2
     commit = (tmp_path / "commit_fp16_None_sr.ptx").read_text()
-    assert commit.count("st.global") == 4, "commit: cursor (either branch), origin and the SR counter"
+    assert commit.count("st.global") == 4, "commit: h (either branch), origin and the SR counter"
+    plan = (tmp_path / "plan_fp16_None_sr.ptx").read_text()
+    assert plan.count("st.global.v4.b32") == 1, "plan: a row's four columns in one 16-byte store"
+    assert plan.count("st.global") == 3, "plan: the plan row, h and the SR counter"
     for path in tmp_path.glob("*.ptx"):
         ptx, name = path.read_text(), path.stem
-        if name.startswith("commit"):
+        if name.startswith(("commit", "plan")):
+            assert re.search(rf"^\.target {arch}\b", ptx, re.M) and ".local" not in ptx, name
             continue
         if "verify" in name:
             assert "cp.async.bulk.tensor" in ptx and "mma.sync.aligned.m16n8k8" in ptx, name

@@ -154,7 +154,8 @@ def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, d
     platforms = precompile.target_platforms(device, arch)
     decode = [lb for lb, _, _ in precompile.variants(m, window, [dtype], platforms=platforms)]
     spec = precompile.draft_variants(m, window, T, [dtype], platforms=platforms)
-    labels = decode + [v.label for v in spec]
+    plan = precompile.table_variants(m.layer, window, window, (), f"L{window}")  # the ReplaySSM cache's plan
+    labels = decode + [v.label for v in plan + spec]
     assert f"precompile {name} for {arch}: {len(labels)} kernels" in proc.stdout, log
     lines = [_KERNEL_LINE.match(ln) for ln in proc.stdout.splitlines()]
     lines = [ln for ln in lines if ln]
@@ -171,7 +172,8 @@ def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, d
     cache = tmp_path / "cache"
     assert len(list(cache.glob(f"{m.layer}_decode-*.o"))) == len(decode) + kinds.count("decode")
     assert len(list(cache.glob(f"{m.layer}_verify-*.o"))) == kinds.count("verify")
-    assert len(list(cache.glob("commit-*.o"))) == kinds.count("commit")
+    assert len(list(cache.glob("table_commit-*.o"))) == kinds.count("commit") == len(set(T))
+    assert len(list(cache.glob("table_plan-*.o"))) == 1 + kinds.count("plan") == 2 + len(set(T))
     # --keep-ptx's own copy goes to a scratch folder, not the working directory.
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "ptx"] if dump else ["cache"])
     # A server with these caches starts warm: the lookups decode, verify and commit make
@@ -181,7 +183,8 @@ def _check_precompile_with_drafts(tmp_path, name, arch, window, drafts, dtype, d
                            device or ""], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert warm.returncode == 0, (warm.stdout + warm.stderr)[-6000:]
     per_platform = len(tuning.BATCH_BUCKETS) * (3 + len(set(T)))
-    assert warm.stdout.split() == ["warm", str((1 if device else 2) * per_platform + len(set(T)))], warm.stdout
+    tables = 2 + 2 * len(set(T))  # the plan of each ReplaySSM cache; plan and commit per T
+    assert warm.stdout.split() == ["warm", str((1 if device else 2) * per_platform + tables)], warm.stdout
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -194,7 +197,7 @@ import os, sys
 os.environ["CUTE_DSL_ARCH"] = arch = sys.argv[1]
 import torch
 from replayssm_cute import __version__
-from replayssm_cute.kernels import commit as kc
+from replayssm_cute.kernels import table as kt
 from replayssm_cute.layers import LAYERS
 from replayssm_cute.runtime import launch, tuning
 from replayssm_cute.runtime.compile_cache import cutlass_version
@@ -205,7 +208,7 @@ from replayssm_cute.models import get_model
 def refuse(*args, **kwargs):
     raise AssertionError("compiled: not in the disk cache")
 
-for mod, fn in ((kc, "compile_commit"), (gd, "compile_decode"), (gv, "compile_verify"),
+for mod, fn in ((kt, "compile_plan"), (kt, "compile_commit"), (gd, "compile_decode"), (gv, "compile_verify"),
                 (md, "compile_decode"), (mv, "compile_verify")):
     setattr(mod, fn, refuse)
 m, window = get_model(sys.argv[2]), int(sys.argv[3])
@@ -228,10 +231,14 @@ for device in devices:
             for T in drafts:
                 verify(caches[-1], T, batch)
                 n += 1
+for c in caches[1:]:  # each ReplaySSM cache's decode plan
+    launch.table_launcher("plan", c.window, c.capacity, 0, c.pad_slot_id)
+    n += 1
 c = caches[-1]
 for T in drafts:
-    launch.commit_launcher(kc.CommitShape(c.window, c.capacity, T, c.pad_slot_id, c.sr_counter is not None))
-    n += 1
+    launch.table_launcher("plan", c.window, c.capacity, T, c.pad_slot_id)
+    launch.table_launcher("commit", c.window, c.capacity, T, c.pad_slot_id)
+    n += 2
 print("warm", n)
 """
 
@@ -374,7 +381,6 @@ def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, 
     batches, the commit shape per T; one label each."""
     import torch
 
-    from replayssm_cute.kernels.commit import CommitShape
     from replayssm_cute.kernels.mamba2.config import Mamba2Shape, default_mamba2_config, default_mamba2_verify_config
     from replayssm_cute.runtime.launch import cute_dtype
 
@@ -394,9 +400,20 @@ def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, 
         want += [(f"mamba2_replay_{cache}_{d}_{precompile.config_label(c)}", "decode", shape, c, 0) for c in cfgs]
         want += [(f"mamba2_verify_{cache}_T{T}_{d}_{precompile.config_label(c)}", "verify", shape, c, T)
                  for T in Ts for c in verify_cfgs]
-    want += [(f"mamba2_commit_{cache}_T{T}", "commit", CommitShape(window, window + D, T, -1), None, T) for T in Ts]
+    want += _table_want("mamba2", cache, window, window + D, Ts)
     assert [tuple(v) for v in got] == want
     assert len({v.label for v in got}) == len(got)
+
+
+def _table_want(layer, cache, window, capacity, Ts):
+    """The sequence-table kernels of a draft cache: the decode plan, then plan and commit per T."""
+    from replayssm_cute.kernels.table import TableShape
+
+    want = [(f"{layer}_plan_{cache}_T0", "plan", TableShape(window, capacity, 0, -1), None, 0)]
+    for T in Ts:
+        want += [(f"{layer}_plan_{cache}_T{T}", "plan", TableShape(window, capacity, T, -1), None, T),
+                 (f"{layer}_commit_{cache}_T{T}", "commit", TableShape(window, capacity, T, -1), None, T)]
+    return want
 
 
 @pytest.mark.parametrize("name", GDN_MODELS)
@@ -405,7 +422,6 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
     batch today), the commit shape per T."""
     import torch
 
-    from replayssm_cute.kernels.commit import CommitShape
     from replayssm_cute.kernels.gdn.config import GDNShape, default_gdn_config, default_gdn_verify_config
     from replayssm_cute.runtime.launch import cute_dtype
 
@@ -418,7 +434,7 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
     want = [(f"gdn_replay_L16_maxdraft4_bf16_{precompile.config_label(c)}", "decode", shape, c, 0) for c in dec]
     want += [(f"gdn_verify_L16_maxdraft4_T{T}_bf16_{precompile.config_label(c)}", "verify", shape, c, T)
              for T in (2, 4) for c in ver]
-    want += [(f"gdn_commit_L16_maxdraft4_T{T}", "commit", CommitShape(16, 20, T, -1), None, T) for T in (2, 4)]
+    want += _table_want("gdn", "L16_maxdraft4", 16, 20, (2, 4))
     assert [tuple(v) for v in got] == want
     with pytest.raises(ValueError, match="--with-z"):
         precompile.draft_variants(m, 16, [2], ["bf16"], with_z=True)
@@ -546,18 +562,19 @@ class _Lookups:
         return launch.launcher(self.layer.verify_kernel, self.layer.shape(cache, self.inputs), T, batch)
 
     def all(self, drafts):
-        """Every lookup at every bucket, then the commits (as api.commit asks for them)."""
-        from replayssm_cute.kernels.commit import CommitShape
-
+        """Every lookup at every bucket, then the sequence-table kernels (as the table asks for
+        them: each ReplaySSM cache's decode plan, the draft cache's verify plan and commit per T)."""
         for (w, d), cache in self.caches.items():
             for batch in tuning.BATCH_BUCKETS:
                 self.decode(cache, batch)
                 for T in drafts if d else []:
                     self.verify(cache, T, batch)
+            if w > 1:
+                launch.table_launcher("plan", cache.window, cache.capacity, 0, cache.pad_slot_id)
         cache = self.caches[max(self.caches)]
         for T in drafts:
-            launch.commit_launcher(CommitShape(cache.window, cache.capacity, T, cache.pad_slot_id,
-                                               cache.sr_counter is not None))
+            launch.table_launcher("plan", cache.window, cache.capacity, T, cache.pad_slot_id)
+            launch.table_launcher("commit", cache.window, cache.capacity, T, cache.pad_slot_id)
 
     def tuned_key(self, entry):
         """(name, key) the compile cache is asked for when `entry`'s tuned config is picked."""
@@ -737,6 +754,6 @@ def test_a_kernel_that_does_not_compile_fails_the_run(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "launch configs: the defaults (no tuned configs for 'NVIDIA B200'; tuned: 'NVIDIA H200')" in out
     assert "gdn_conventional_bf16_rows8_warps2" in out and "FAILED" in out and "Traceback" not in err
-    assert err.splitlines()[-1] == ("python -m replayssm_cute.precompile: 1 of 3 kernels did not compile: "
+    assert err.splitlines()[-1] == ("python -m replayssm_cute.precompile: 1 of 4 kernels did not compile: "
                                     "gdn_conventional_bf16_rows8_warps2")
-    assert len(built) == 2
+    assert len(built) == 3  # the other decode kernels and the ReplaySSM cache's plan

@@ -22,14 +22,15 @@ def layer_of(cache):
 
 
 def model_cache(model, slots: int, window: int, device, max_draft: int = 0, dtype=None, read_copy=None,
-                pad_slot_id: int = -1):
+                pad_slot_id: int = -1, table=None):
     """A cache of one layer of `model` (a models.ModelSpec, whose nheads, headdim, dstate,
     ngroups are the cache's dims in order for every layer type) with `slots` slots at `window`,
     ring room for `max_draft` drafts, activations `dtype` (default bf16); `read_copy` adds that
-    read copy next to an fp32 checkpoint (the cache's defaults otherwise)."""
+    read copy next to an fp32 checkpoint (the cache's defaults otherwise); `table` the model's
+    SequenceTable (default: the cache's own)."""
     import torch
 
     formats = {} if read_copy is None else dict(checkpoint_format="fp32", read_copy=read_copy)
     return LAYERS[model.layer].cache_type(slots, model.nheads, model.headdim, model.dstate, model.ngroups,
                                           window=window, max_draft=max_draft, dtype=dtype or torch.bfloat16,
-                                          device=device, pad_slot_id=pad_slot_id, **formats)
+                                          device=device, pad_slot_id=pad_slot_id, table=table, **formats)

@@ -1,5 +1,5 @@
-"""What the kernels of every layer type share on the host: the checkpoint, the ring's indices
-(cursor, origin, arrivals) and the trailing state-copy arguments (kernels/state_io.py) of their
+"""What the kernels of every layer type share on the host: the checkpoint, the ring and the step's
+plan rows, and the trailing state-copy arguments (kernels/state_io.py) of their
 argument lists, as a cache holds them; a cache's kernel Shapes, memoised; and the rule of their
 default launch configs for an nvfp4 copy (``whole_head``)."""
 
@@ -18,24 +18,25 @@ def checkpoint_arg(cache) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def ring_args(cache, names: tuple) -> tuple:
-    """The ring tensors `names`, cursor, origin and arrivals of a ReplaySSM cache; at window 1
-    only arrivals, and only when SR writes need a per-slot write counter advanced."""
+def ring_args(cache, names: tuple, plan) -> tuple:
+    """The ring tensors `names` of a ReplaySSM cache and the step's plan rows; at window 1 no
+    ring, and the plan only where SR writes need the slot's write counter."""
+    rows = None if plan is None else plan.rows
     if cache.window > 1:
-        return tuple(getattr(cache, n) for n in names) + (cache.cursor, cache.origin, cache.arrivals)
-    return (None,) * (len(names) + 2) + (cache.arrivals if cache.sr_counter is not None else None,)
+        return tuple(getattr(cache, n) for n in names) + (rows,)
+    return (None,) * len(names) + (rows if cache.sr_counter is not None else None,)
 
 
 def state_copy_args(cache) -> tuple:
     """The kernels' trailing state-copy arguments of ``cache`` (kernels/state_io.py): checkpoint
-    scale and state scale, read copy data, scale and state scale, SR seed and counter (None where
+    scale and state scale, read copy data, scale and state scale, SR seed (None where
     the configuration has none); fp8 / E4M3 codes as uint8 views."""
     def codes(t):
         return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e4m3fn else t
 
     return (codes(getattr(cache, "checkpoint_scale", None)), getattr(cache, "checkpoint_state_scale", None),
             codes(cache.read_copy), codes(getattr(cache, "read_copy_scale", None)),
-            getattr(cache, "read_copy_state_scale", None), cache.sr_seed, cache.sr_counter)
+            getattr(cache, "read_copy_state_scale", None), cache.sr_seed)
 
 
 def memoised_shape(cache, static: tuple, build):

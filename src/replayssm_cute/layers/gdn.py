@@ -239,30 +239,54 @@ class GDNLayer:
     # ------------------------------------------------------------------------------------ decode
 
     @staticmethod
-    def decode_reference(cache, i: GDNInputs):
+    def decode_reference(cache, i: GDNInputs, plan):
         from ..reference import gdn_decode_cache_
 
         return gdn_decode_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, scale=i.scale,
-                                 out=i.out)
+                                 out=i.out, plan=plan)
 
     @staticmethod
-    def decode_kernel_args(cache, i: GDNInputs) -> tuple:
+    def decode_kernel_args(cache, i: GDNInputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out,
-                *ring_args(cache, ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta")), *state_copy_args(cache))
+                *ring_args(cache, ("ring_u", "ring_k", "ring_g", "ring_v", "ring_beta"), plan), *state_copy_args(cache))
 
     # ------------------------------------------------------------------------------------ verify
 
     @staticmethod
-    def verify_reference(cache, i: GDNInputs) -> None:
+    def verify_reference(cache, i: GDNInputs, plan) -> None:
         from ..reference import gdn_verify_cache_
 
-        gdn_verify_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, scale=i.scale, out=i.out)
+        gdn_verify_cache_(cache, i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, scale=i.scale, out=i.out,
+                          plan=plan)
 
     @staticmethod
-    def verify_kernel_args(cache, i: GDNInputs) -> tuple:
+    def verify_kernel_args(cache, i: GDNInputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out, cache.ring_u,
-                cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta, cache.cursor, cache.origin,
-                *state_copy_args(cache))
+                cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta, plan.rows, *state_copy_args(cache))
+
+    # ------------------------------------------------------------------------------- materialize
+
+    @staticmethod
+    def replay_rings(cache) -> tuple:
+        """The rings a state is rebuilt from (``replay``), record by record: the cached corrections,
+        or (k, g, v, beta) where a flush re-derives them."""
+        if cache.flush_corrections == "rederive":
+            return ("ring_k", "ring_g", "ring_v", "ring_beta")
+        return ("ring_u", "ring_k", "ring_g")
+
+    @staticmethod
+    def replay(cache, state: torch.Tensor, records: tuple, params=None) -> torch.Tensor:
+        """The state after ``records`` (the ``replay_rings``, (n, h, ...) oldest first) from
+        ``state``, float64, as the next flush folds them; a record of zeros leaves it as it is.
+        GDN takes no parameters (``params`` must be None)."""
+        from .. import checks
+        from ..reference import gdn_replay, gdn_replay_rederive
+
+        if params is not None:
+            checks.fail("A", "None (a GDN state is rebuilt from its records alone)", type(params).__name__)
+        if cache.flush_corrections == "rederive":
+            return gdn_replay_rederive(state, *records)[0]
+        return gdn_replay(state, *records)
 
     # --------------------------------------------------------------------------- snapshot_verify
 

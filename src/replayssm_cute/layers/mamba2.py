@@ -226,30 +226,45 @@ class Mamba2Layer:
     # ------------------------------------------------------------------------------------ decode
 
     @staticmethod
-    def decode_reference(cache, i: Mamba2Inputs):
+    def decode_reference(cache, i: Mamba2Inputs, plan):
         from ..reference import mamba2_decode_cache_
 
         return mamba2_decode_cache_(cache, i.x, i.dt, i.A, i.B, i.C, i.slot_ids, D=i.D, z=i.z, dt_bias=i.dt_bias,
-                                    dt_softplus=i.dt_softplus, out=i.out)
+                                    dt_softplus=i.dt_softplus, out=i.out, plan=plan)
 
     @staticmethod
-    def decode_kernel_args(cache, i: Mamba2Inputs) -> tuple:
+    def decode_kernel_args(cache, i: Mamba2Inputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out,
-                *ring_args(cache, ("ring_x", "ring_B", "ring_dt")), *state_copy_args(cache))
+                *ring_args(cache, ("ring_x", "ring_B", "ring_dt"), plan), *state_copy_args(cache))
 
     # ------------------------------------------------------------------------------------ verify
 
     @staticmethod
-    def verify_reference(cache, i: Mamba2Inputs) -> None:
+    def verify_reference(cache, i: Mamba2Inputs, plan) -> None:
         from ..reference import mamba2_verify_cache_
 
         mamba2_verify_cache_(cache, i.x, i.dt, i.A, i.B, i.C, i.slot_ids, D=i.D, z=i.z, dt_bias=i.dt_bias,
-                             dt_softplus=i.dt_softplus, out=i.out)
+                             dt_softplus=i.dt_softplus, out=i.out, plan=plan)
 
     @staticmethod
-    def verify_kernel_args(cache, i: Mamba2Inputs) -> tuple:
+    def verify_kernel_args(cache, i: Mamba2Inputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out,
-                cache.ring_x, cache.ring_B, cache.ring_dt, cache.cursor, cache.origin, *state_copy_args(cache))
+                cache.ring_x, cache.ring_B, cache.ring_dt, plan.rows, *state_copy_args(cache))
+
+    # ------------------------------------------------------------------------------- materialize
+
+    @staticmethod
+    def replay_rings(cache) -> tuple:
+        """The rings a state is rebuilt from (``replay``), record by record."""
+        return ("ring_x", "ring_B", "ring_dt")
+
+    @staticmethod
+    def replay(cache, state: torch.Tensor, records: tuple, A: torch.Tensor) -> torch.Tensor:
+        """The state after ``records`` (the ``replay_rings``, (n, h, ...) oldest first) from
+        ``state``, float64; a record of zeros leaves it as it is. ``A``: materialize's."""
+        from ..reference import mamba2_replay
+
+        return mamba2_replay(state, *records, cache._decay_rates(A))
 
     # --------------------------------------------------------------------------- snapshot_verify
 

@@ -5,7 +5,7 @@ argument checks, ring reads and writes) that ``pool_spec`` shares.
 Written for clarity, not speed. Every step runs the layer recurrences of ``mamba2`` and ``gdn``
 in float64, one active row at a time, on the values the cache stores (converted exactly to
 float64), and writes the cache and ``out`` in their own dtypes. Per slot: ``checkpoint``,
-cursor ``h`` = committed records, ``origin`` and a ring of ``capacity`` records; committed
+the table's ``h`` = committed records and ``origin``, and a ring of ``capacity`` records; committed
 record ``i`` (0-based, oldest first) lives at ring index ``(origin + i) % capacity``. The
 cache-level semantics are documented on ``mamba2_decode_cache_`` and ``gdn_decode_cache_``; a
 slot's state is reached as ``state`` describes (the fp32 checkpoint of a plain cache, else the
@@ -206,26 +206,42 @@ def write_records_(cache, slot: int, pos, records: dict) -> None:
 # ----------------------------------------------------------------------------- row loops
 
 
-def _decode_rows_(state: StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, step) -> Tensor:
+def step_plan(cache, slot_ids, plan, num_drafts: int):
+    """The plan a reference step runs with: ``plan`` when the caller made it (a model step; its
+    slot ids must be the step's), else a fresh one from the cache's table (a standalone step:
+    ``plan_decode``, which advances the table, or ``plan_verify``). Made once the arguments are
+    checked, since a decode plan writes the table."""
+    ids = torch.tensor(slot_list(slot_ids), dtype=torch.int32, device=cache.table.device)
+    if plan is None:
+        table = cache.table
+        return table.plan_decode(ids) if num_drafts == 0 else table.plan_verify(ids, num_drafts)
+    if plan.table is not cache.table or plan.num_drafts != num_drafts or plan.rows[:, 0].tolist() != ids.tolist():
+        raise ValueError("plan: expected a plan of this cache's table for these slot ids and draft count")
+    return plan
+
+
+def _decode_rows_(state: StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, step, plan) -> Tensor:
     """The row loop of a cache-level decode step (``*_decode_cache_``); returns ``out``.
 
-    For every active row r (slot s), with h = cursor[s] (h == window admitted with draft room)
-    and flush = h + 1 >= window: ``step(state.read(cache, s, flush), s, h, slice(r, r + 1),
-    window)`` gives (y, new_checkpoint, record) for ``window = max(cache.window, h + 1)`` (h ==
-    window after a speculative commit: flush all); y[0] is cast into ``out[r]``. Then a flush
-    stores new_checkpoint (``state.store_``); otherwise ``record()`` (ring name -> value of the
-    token's record) is written at ring index (origin + h) % capacity and cursor = h + 1.
+    For every active row r (slot s), with h and the SR write w from the step's plan (``step_plan``;
+    h == window admitted with draft room) and flush = h + 1 >= window: ``step(state.read(cache, s,
+    flush), s, h, slice(r, r + 1), window)`` gives (y, new_checkpoint, record) for ``window =
+    max(cache.window, h + 1)`` (h == window after a speculative commit: flush all); y[0] is cast
+    into ``out[r]``. Then a flush stores new_checkpoint (``state.store_``, SR write w); otherwise
+    ``record()`` (ring name -> value of the token's record) is written at ring index (origin + h)
+    % capacity. The table moved when the plan was made.
     """
-    for r, s in active_rows(cache, slot_ids, nrows, per):
-        h = slot_cursor(cache, s, allow_full=_spec_room(cache))
+    rows = active_rows(cache, slot_ids, nrows, per)
+    plan = step_plan(cache, slot_ids, plan, 0)
+    for r, s in rows:
+        _, h, origin, w = plan.rows[r].tolist()
         flush = h + 1 >= cache.window
         y, new_ckpt, record = step(state.read(cache, s, flush), s, h, slice(r, r + 1), max(cache.window, h + 1))
         out[r] = y[0].to(dtype=out.dtype, device=out.device)
         if flush:
-            state.store_(cache, s, new_ckpt[0])
+            state.store_(cache, s, new_ckpt[0], w)
         else:
-            write_records_(cache, s, (int(cache.origin[s]) + h) % cache.capacity, record())
-            cache.cursor[s] = h + 1
+            write_records_(cache, s, (origin + h) % cache.capacity, record())
     return out
 
 
@@ -263,35 +279,38 @@ def mamba2_decode_cache_(
     dt_bias: Optional[Tensor] = None,
     dt_softplus: bool = False,
     out: Optional[Tensor] = None,
+    plan=None,
 ) -> Tensor:
     """In-place cache-level reference step (T = 1) on a ``Mamba2Cache``; returns ``out``.
 
     Row r uses slot ``slot_ids[r]``. A row is skipped (no cache tensor touched, ``out[r]``
     untouched; zeros when ``out`` is allocated here) if its slot id equals
     ``cache.pad_slot_id`` or lies outside ``[0, num_slots)``. Two active rows naming the same
-    slot raise ValueError. Every active row, independently, with h = cursor[slot]:
+    slot raise ValueError. ``plan``: the model step's (``SequenceTable.plan_decode``), else the
+    cache's table plans (and advances) here. Every active row, independently, with h from the plan:
 
       * reads the slot's checkpoint and its h records at ring index (origin + i) % capacity,
         as stored (ring dtype, converted to float64), and runs ``mamba2_replay_step`` in
         float64 (output-only route). The current token's own contribution uses x, B and dt
         as given, in float64 (dt processed with dt_bias / softplus in float64);
       * non-flush (h + 1 < window): writes the record at (origin + h) % capacity (x and B
-        cast to the ring dtype, processed dt cast to fp32), cursor += 1; the checkpoint is
+        cast to the ring dtype, processed dt cast to fp32); the checkpoint is
         not written;
       * flush (h + 1 >= window; h == window only after a speculative commit): writes the new
-        checkpoint (cast to fp32), cursor = 0,
-        origin unchanged; the flushing token's record is folded, not stored.
+        checkpoint (cast to fp32); the flushing token's record is folded, not stored.
 
-    window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
-    touched. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
+    window == 1 (conventional cache, no ring): every step is a flush. The table moves with the
+    plan (h + 1, or 0 after a flush), not here. ``out`` has x's shape and dtype (allocated if None); row r gets y cast to it.
 
     A cache with low-precision state (``not cache.is_plain``) reads and writes its state
     copies as ``mamba2_decode_lowprec_cache_`` describes.
     """
-    return _mamba2_decode_(state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+    return _mamba2_decode_(state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out,
+                           plan)
 
 
-def _mamba2_decode_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out) -> Tensor:
+def _mamba2_decode_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out,
+                    plan=None) -> Tensor:
     """``mamba2_decode_cache_`` with the slots' state reached through ``state``."""
     (b,) = mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias)
     out = out_buffer(out, x, (b, cache.nheads, cache.headdim))
@@ -303,15 +322,15 @@ def _mamba2_decode_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, d
         )
         return y, new_ckpt, lambda: {"ring_x": x[row][0], "ring_B": B[row][0], "ring_dt": new_dt[0, -1]}
 
-    return _decode_rows_(state, cache, slot_ids, b, "x", out, step)
+    return _decode_rows_(state, cache, slot_ids, b, "x", out, step, plan)
 
 
 def mamba2_decode_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-                                 out=None) -> Tensor:
+                                 out=None, plan=None) -> Tensor:
     """In-place reference decode step (T = 1) on any ``Mamba2Cache`` (the rules of
     ``reference.state``); arguments, pad rows and ``out`` as ``mamba2_decode_cache_``. Returns
     ``out``."""
-    return _mamba2_decode_(STATE_COPIES, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+    return _mamba2_decode_(STATE_COPIES, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, plan)
 
 
 def mamba2_materialize(cache, slot_ids: Union[Tensor, Sequence[int]], A: Tensor) -> Tensor:
@@ -340,13 +359,15 @@ def gdn_decode_cache_(
     slot_ids: Union[Tensor, Sequence[int]],
     scale: Optional[float] = None,
     out: Optional[Tensor] = None,
+    plan=None,
 ) -> Tensor:
     """In-place cache-level reference GDN step (T = 1) on a ``GDNCache``; returns ``out``.
 
     Row r uses slot ``slot_ids[r]``. A row is skipped (no cache tensor touched, ``out[r]``
     untouched; zeros when ``out`` is allocated here) if its slot id equals
     ``cache.pad_slot_id`` or lies outside ``[0, num_slots)``. Two active rows naming the same
-    slot raise ValueError. Every active row, independently, with h = cursor[slot]:
+    slot raise ValueError. ``plan``: the model step's (``SequenceTable.plan_decode``), else the
+    cache's table plans (and advances) here. Every active row, independently, with h from the plan:
 
       * reads the slot's checkpoint and its h records at ring index (origin + i) % capacity,
         as stored (u fp16, k activation dtype, g fp32, converted to float64), and runs
@@ -354,14 +375,13 @@ def gdn_decode_cache_(
         float64 (its u, normalised k and g are exact);
       * non-flush (h + 1 < window): writes the record at (origin + h) % capacity: u cast to
         fp16, the normalised k to the activation dtype, g to fp32 (and, when the cache keeps
-        them, v to the activation dtype and beta to fp32); cursor += 1; the checkpoint is
+        them, v to the activation dtype and beta to fp32); the checkpoint is
         not written;
       * flush (h + 1 >= window; h == window only after a speculative commit): writes the new
-        checkpoint (cast to fp32), cursor = 0,
-        origin unchanged; the flushing token's record is folded, not stored.
+        checkpoint (cast to fp32); the flushing token's record is folded, not stored.
 
-    window == 1 (conventional cache, no ring): every step is a flush. ``arrivals`` is not
-    touched. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
+    window == 1 (conventional cache, no ring): every step is a flush. The table moves with the
+    plan (h + 1, or 0 after a flush), not here. ``out`` has v's shape and dtype (allocated if None); row r gets o cast to it.
 
     A cache with low-precision state or re-derived flush corrections (``not cache.is_plain``)
     reads and writes its state copies as ``gdn_decode_lowprec_cache_`` describes; a "rederive"
@@ -369,10 +389,10 @@ def gdn_decode_cache_(
     and the records' (k, g, v, beta), then takes the token's step (``gdn_conventional_step``: u
     from that state, o = S_new q).
     """
-    return _gdn_decode_(state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+    return _gdn_decode_(state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan)
 
 
-def _gdn_decode_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out) -> Tensor:
+def _gdn_decode_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan=None) -> Tensor:
     """``gdn_decode_cache_`` with the slots' state reached through ``state``."""
     (bsz,) = gdn_lead(cache, q, k, v, a, b, A_log, dt_bias)
     out = out_buffer(out, v, (bsz, cache.num_v_heads, cache.head_v_dim))
@@ -393,10 +413,11 @@ def _gdn_decode_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_
 
         return o, new_ckpt, record
 
-    return _decode_rows_(state, cache, slot_ids, bsz, "v", out, step)
+    return _decode_rows_(state, cache, slot_ids, bsz, "v", out, step, plan)
 
 
-def gdn_decode_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=None, out=None) -> Tensor:
+def gdn_decode_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=None, out=None,
+                              plan=None) -> Tensor:
     """In-place reference GDN decode step (T = 1) on any ``GDNCache`` (the rules of
     ``reference.state``); arguments, pad rows and ``out`` as ``gdn_decode_cache_``. Returns
     ``out``.
@@ -406,7 +427,7 @@ def gdn_decode_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, sc
     then takes the token's step (``gdn_conventional_step``: u from that state, o = S_new q);
     with "fold" it is ``gdn_replay_step`` from the decoded checkpoint.
     """
-    return _gdn_decode_(STATE_COPIES, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+    return _gdn_decode_(STATE_COPIES, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan)
 
 
 def gdn_materialize(cache, slot_ids: Union[Tensor, Sequence[int]]) -> Tensor:

@@ -7,15 +7,17 @@ shapes are those of ``mamba2`` and ``gdn`` (whose ``*_verify_output`` this modul
 the pad-row rules and row machinery those of ``pool``; tokens carry an extra draft axis:
 ``(batch, T, ...)``.
 
-Ring, origin and cursor conventions (what the GPU kernels must match)
----------------------------------------------------------------------
-Per slot: ``checkpoint``, cursor ``h`` = committed records, ``origin`` and a ring of
-``capacity = window + max_draft`` records. Committed record ``i`` (0-based, oldest first)
-lives at ring index ``(origin + i) % capacity``. Window ``L = cache.window``.
+Ring, origin and table conventions (what the GPU kernels must match)
+--------------------------------------------------------------------
+Per slot: ``checkpoint``, the table's ``h`` = committed records (``cache.cursor``) and
+``origin``, and a ring of ``capacity = window + max_draft`` records. Committed record ``i``
+(0-based, oldest first) lives at ring index ``(origin + i) % capacity``. Window ``L =
+cache.window``.
 
 * Invariant: ``0 <= h <= L`` between steps (standard decoding keeps ``h < L``; a speculative
   commit may leave ``h == L``). ``1 <= T <= min(max_draft, L)``.
-* Verify (``*_verify_cache_``), per active row, with h and origin o read before the step:
+* Verify (``*_verify_cache_``), per active row, with h and origin o from the step's plan (the
+  table before the step):
 
   1. outputs of all T drafts, output-only, from the checkpoint as stored (read once), the h
      committed records as stored, and the T drafts' own values in float64 as given (GDN: as
@@ -23,17 +25,17 @@ lives at ring index ``(origin + i) % capacity``. Window ``L = cache.window``.
   2. draft i (0-based) is written at ring index ``(o + h + i) % capacity`` (behind the
      committed records; nothing else in the ring is written);
   3. flush iff ``h + T > L`` (decided from h and T only): checkpoint = Replay(checkpoint, the h
-     committed records as stored), cast to fp32; ``origin = (o + h) % capacity``; ``cursor = 0``.
-     The drafts are then records 0..T-1. Otherwise checkpoint, origin and cursor are untouched.
+     committed records as stored), cast to fp32. Otherwise the checkpoint is untouched.
 
-  After verify ``cursor + T <= L`` always.
-* Commit (``commit_cache_``): ``cursor += a`` with ``1 <= a <= T``; nothing else is touched
-  (drafts beyond a stay in the ring, unread, and the next verify overwrites them). Since
-  ``cursor + T <= L`` after verify, ``cursor <= L`` after commit: at most L committed records.
+  Verify does not touch the table.
+* Commit (``commit_cache_``, ``SequenceTable.commit``) with ``1 <= a <= T`` accepted: a
+  flushing row moves ``origin = (o + h) % capacity`` and sets ``h = a`` (the drafts are records
+  0..a-1; one more SR write), any other row ``h += a``; nothing else is touched (drafts beyond a
+  stay in the ring, unread, and the next verify overwrites them). At most L committed records.
 * T = 1 with a = 1 is a decode step, valid for every ``0 <= h <= L``. For ``h <= L - 2`` it
   leaves the cache exactly as ``reference.*_decode_cache_`` does. At ``h == L - 1`` the decode
-  reference flushes (folding its own token, cursor 0) while the speculative rule does not
-  (cursor L); the next speculative step flushes the L committed records instead. Same states
+  reference flushes (folding its own token, h = 0) while the speculative rule does not
+  (h = L); the next speculative step flushes the L committed records instead. Same states
   and outputs, different timing of the checkpoint write.
 
 Draft outputs follow the output-only form of Eq. 6 (``common``); GDN draft corrections come
@@ -64,8 +66,8 @@ from .pool import (
     mamba2_slot_records,
     out_buffer,
     rederives,
-    slot_cursor,
     slot_list,
+    step_plan,
     write_records_,
 )
 from .state import STATE_COPIES, StateAccess, state_access
@@ -118,19 +120,23 @@ def _ring_positions(cache, slot: int, h: int, T: int) -> Tensor:
 
 
 def _verify_rows_(
-    state: StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, T: int, records, verify, replay
+    state: StateAccess, cache, slot_ids, nrows: int, per: str, out: Tensor, T: int, records, verify, replay, plan
 ) -> Tensor:
     """The row loop of a cache-level verify step (``*_verify_cache_``); returns ``out``.
 
-    For every active row r (slot s), with h = cursor[s] (0 <= h <= window), flush =
-    ``spec_flush`` and S = ``state.read(cache, s, flush)``: ``verify(S, recs, slice(r, r + 1))``
-    with recs = ``records(s, h, flush, S)`` (the committed records) gives (outputs, records of
-    the T drafts as ring name -> value); outputs[0] is cast into ``out[r]`` and the drafts are
-    written at ``_ring_positions``. A flush stores ``replay(S, *recs)`` (``state.store_``) and
-    drops the h committed records by moving the origin.
+    For every active row r (slot s), with h and the SR write w from the step's plan
+    (``pool.step_plan``: the caller's, else ``plan_verify`` on the cache's table, which then awaits
+    ``commit_cache_``), flush = ``spec_flush`` and S = ``state.read(cache, s, flush)``:
+    ``verify(S, recs, slice(r, r + 1))`` with recs = ``records(s, h, flush, S)`` (the committed
+    records) gives (outputs, records of the T drafts as ring name -> value); outputs[0] is cast
+    into ``out[r]`` and the drafts are written at ``_ring_positions``. A flush stores
+    ``replay(S, *recs)`` (``state.store_``, SR write w); the commit then drops the h folded
+    records by moving the origin. The table is not touched here.
     """
-    for r, s in active_rows(cache, slot_ids, nrows, per):
-        h = slot_cursor(cache, s, allow_full=True)
+    rows = active_rows(cache, slot_ids, nrows, per)
+    plan = step_plan(cache, slot_ids, plan, T)
+    for r, s in rows:
+        _, h, _, w = plan.rows[r].tolist()
         flush = spec_flush(h, T, cache.window)
         S = state.read(cache, s, flush)
         recs = records(s, h, flush, S)
@@ -138,8 +144,7 @@ def _verify_rows_(
         out[r] = y[0].to(dtype=out.dtype, device=out.device)
         write_records_(cache, s, _ring_positions(cache, s, h, T), drafts)
         if flush:
-            state.store_(cache, s, replay(S, *recs)[0])
-            cache.origin[s] = (int(cache.origin[s]) + h) % cache.capacity
+            state.store_(cache, s, replay(S, *recs)[0], w)
     return out
 
 
@@ -170,6 +175,7 @@ def mamba2_verify_cache_(
     dt_bias: Optional[Tensor] = None,
     dt_softplus: bool = False,
     out: Optional[Tensor] = None,
+    plan=None,
 ) -> Tensor:
     """In-place cache-level reference verify step of T draft tokens on a ``Mamba2Cache``.
 
@@ -178,19 +184,22 @@ def mamba2_verify_cache_(
     zero, if None). Needs 1 <= T <= min(max_draft, window). Pad-sentinel and out-of-pool rows
     are skipped (nothing touched, out rows untouched); two active rows naming one slot raise.
 
-    Every active row, with h = cursor[slot] (0 <= h <= window) and o = origin[slot]: outputs
-    of all T drafts from ``mamba2_verify_output`` (checkpoint and committed records as stored,
+    ``plan``: the model step's (``SequenceTable.plan_verify``), else one made here on the cache's
+    table (then awaiting ``commit_cache_``). Every active row, with h (0 <= h <= window) from the
+    plan and o = origin[slot]: outputs of all T drafts from ``mamba2_verify_output`` (checkpoint and committed records as stored,
     drafts in float64 as given); draft i's record (x, B cast to the ring dtype, processed dt to
     fp32) written at (o + h + i) % capacity; if h + T > window, flush: checkpoint =
-    Replay(checkpoint, the h committed records) in fp32, origin = (o + h) % capacity, cursor
-    = 0. Cursors are not advanced: ``commit_cache_`` does that. ``arrivals`` is not touched.
+    Replay(checkpoint, the h committed records) in fp32. The table is not touched: the commit
+    moves it (origin past the folded records, h = accepted).
     A cache with low-precision state reads and writes its state copies as
     ``mamba2_verify_lowprec_cache_`` describes.
     """
-    return _mamba2_verify_(state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+    return _mamba2_verify_(state_access(cache), cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out,
+                           plan)
 
 
-def _mamba2_verify_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out) -> Tensor:
+def _mamba2_verify_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out,
+                    plan=None) -> Tensor:
     """``mamba2_verify_cache_`` with the slots' state reached through ``state``."""
     b, T = mamba2_lead(cache, x, dt, A, B, C, D, z, dt_bias, drafts=True)
     _num_drafts(cache, T, "x")
@@ -204,16 +213,16 @@ def _mamba2_verify_(state: StateAccess, cache, x, dt, A, B, C, slot_ids, D, z, d
 
     return _verify_rows_(
         state, cache, slot_ids, b, "x", out, T, lambda s, h, flush, ckpt: mamba2_slot_records(cache, s, h), verify,
-        lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A),
+        lambda ckpt, rec_x, rec_B, rec_dt: mamba2_replay(ckpt, rec_x, rec_B, rec_dt, A), plan,
     )
 
 
 def mamba2_verify_lowprec_cache_(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False,
-                                 out=None) -> Tensor:
+                                 out=None, plan=None) -> Tensor:
     """``mamba2_verify_cache_`` on any ``Mamba2Cache`` (paper Algorithm 3): the
     outputs read the checkpoint when h + T > window, else the read copy; a flush writes every
     copy. Arguments and effects otherwise as there."""
-    return _mamba2_verify_(STATE_COPIES, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out)
+    return _mamba2_verify_(STATE_COPIES, cache, x, dt, A, B, C, slot_ids, D, z, dt_bias, dt_softplus, out, plan)
 
 
 # ============================================================================= Gated DeltaNet
@@ -231,6 +240,7 @@ def gdn_verify_cache_(
     slot_ids: Union[Tensor, Sequence[int]],
     scale: Optional[float] = None,
     out: Optional[Tensor] = None,
+    plan=None,
 ) -> Tensor:
     """In-place cache-level reference verify step of T draft tokens on a ``GDNCache``.
 
@@ -238,20 +248,19 @@ def gdn_verify_cache_(
     (batch, T, HV, V), a, b (batch, T, HV); out (batch, T, HV, V) in v's dtype (allocated,
     zero, if None). Needs 1 <= T <= min(max_draft, window). Pad rows as in the decode reference.
 
-    Every active row, with h = cursor[slot] (0 <= h <= window) and o = origin[slot]: outputs
-    and draft corrections from ``gdn_verify_output`` (checkpoint and committed records as
+    ``plan`` as ``mamba2_verify_cache_``. Every active row, with h (0 <= h <= window) from the
+    plan and o = origin[slot]: outputs and draft corrections from ``gdn_verify_output`` (checkpoint and committed records as
     stored; drafts in float64); draft i's record (u cast to fp16, normalised k to the ring
     dtype, g to fp32, and v / beta when the cache keeps them) written at (o + h + i) %
     capacity; if h + T > window, flush: checkpoint = Replay(checkpoint, the h committed records)
-    in fp32, origin = (o + h) % capacity, cursor = 0. Cursors are not advanced (see
-    ``commit_cache_``). ``arrivals`` is not touched. A cache with low-precision state or
+    in fp32. The table is not touched (``commit_cache_`` moves it). A cache with low-precision state or
     re-derived flush corrections reads and writes its state copies and re-derives as
     ``gdn_verify_lowprec_cache_`` describes.
     """
-    return _gdn_verify_(state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+    return _gdn_verify_(state_access(cache), cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan)
 
 
-def _gdn_verify_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out) -> Tensor:
+def _gdn_verify_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan=None) -> Tensor:
     """``gdn_verify_cache_`` with the slots' state reached through ``state``."""
     bsz, T = gdn_lead(cache, q, k, v, a, b, A_log, dt_bias, drafts=True)
     _num_drafts(cache, T, "v")
@@ -269,10 +278,11 @@ def _gdn_verify_(state: StateAccess, cache, q, k, v, a, b, A_log, dt_bias, slot_
             recs = (gdn_replay_rederive(ckpt, *gdn_raw_records(cache, s, h))[1],) + recs[1:]
         return recs
 
-    return _verify_rows_(state, cache, slot_ids, bsz, "v", out, T, records, verify, gdn_replay)
+    return _verify_rows_(state, cache, slot_ids, bsz, "v", out, T, records, verify, gdn_replay, plan)
 
 
-def gdn_verify_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=None, out=None) -> Tensor:
+def gdn_verify_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale=None, out=None,
+                              plan=None) -> Tensor:
     """``gdn_verify_cache_`` on any ``GDNCache`` (paper Algorithm 6): the draft
     corrections and outputs come from the checkpoint when h + T > window, else from the read
     copy with the cached committed corrections; a flush folds the committed records and writes
@@ -285,7 +295,7 @@ def gdn_verify_lowprec_cache_(cache, q, k, v, a, b, A_log, dt_bias, slot_ids, sc
     order solves the drafts (line 4) with the cached corrections before re-deriving; the
     re-derivation reads only S_ckpt k_j of the same pass over the checkpoint, so a kernel
     can take either order. "fold" uses the cached corrections throughout."""
-    return _gdn_verify_(STATE_COPIES, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out)
+    return _gdn_verify_(STATE_COPIES, cache, q, k, v, a, b, A_log, dt_bias, slot_ids, scale, out, plan)
 
 
 # ============================================================================= commit
@@ -298,37 +308,33 @@ def commit_cache_(
     *,
     num_drafts: Optional[int] = None,
 ) -> None:
-    """Commit the accepted drafts of the last verify step: cursor[slot] += a, nothing else.
+    """Commit the accepted drafts of the verify step pending on the cache's table
+    (``SequenceTable.commit``): per active row with h from the verify's plan, a folding row (h + T
+    > window) moves its origin past the h folded records and keeps its a accepted drafts (h = a,
+    one more SR write), any other row h += a.
 
-    Works on a ``Mamba2Cache`` or a ``GDNCache``. ``num_accepted`` holds one int a per row of
-    ``slot_ids`` (a tensor or a sequence); rows skipped by verify (pad sentinel, out of pool)
-    are skipped here too and their a is ignored. Every active row needs 1 <= a <=
-    max_draft (and a <= num_drafts when given: the T of the verify step) and cursor + a <=
-    window (at most L committed records; verify leaves cursor + T <= window). Drafts beyond a
-    stay in the ring and are never read; a flush's dropped prefix was already skipped by
-    verify moving the origin. Everything is validated before anything is written.
+    Works on a ``Mamba2Cache`` or a ``GDNCache``. ``slot_ids`` must be the verify's, row for row;
+    ``num_accepted`` holds one int a per row (a tensor or a sequence), 1 <= a <= T for every
+    active row (pad and out-of-pool rows are skipped and their a ignored); ``num_drafts``, when
+    given, must be the verify's T. Drafts beyond a stay in the ring and are never read.
+    Everything is validated before anything is written.
     """
     if cache.is_conventional:
         raise ValueError("commit_cache_ needs a ReplaySSM cache with draft room (window > 1, max_draft >= 1)")
+    plan = cache.table.pending
+    if plan is None:
+        raise ValueError("commit_cache_: no verify step awaits its commit on the cache's table (verify first)")
     ids = slot_list(slot_ids)
     acc = _int_list("num_accepted", num_accepted, len(ids))
-    if num_drafts is not None:
-        _num_drafts(cache, operator.index(num_drafts), "num_drafts")
-    limit = cache.max_draft if num_drafts is None else num_drafts
-    plan = []
+    T = plan.num_drafts
+    if num_drafts is not None and operator.index(num_drafts) != T:
+        raise ValueError(f"num_drafts = {num_drafts} is not the pending verify's T = {T}")
+    if tuple(ids) != tuple(plan.rows[:, 0].tolist()):
+        raise ValueError(f"slot_ids {ids[:8]} are not the pending verify's, row for row")
     for r, s in active_rows(cache, ids, len(ids), "slot_ids"):
-        a = acc[r]
-        h = slot_cursor(cache, s, allow_full=True)
-        if not 1 <= a <= limit:
-            raise ValueError(f"num_accepted[{r}] = {a} (slot {s}) must be in [1, {limit}]")
-        if h + a > cache.window:
-            raise ValueError(
-                f"slot {s}: cursor {h} + accepted {a} > window {cache.window}; a verify step leaves "
-                f"cursor + T <= window, so this commit does not follow one with T >= {a}"
-            )
-        plan.append((s, h + a))
-    for s, h_new in plan:
-        cache.cursor[s] = h_new
+        if not 1 <= acc[r] <= T:
+            raise ValueError(f"num_accepted[{r}] = {acc[r]} (slot {s}) must be in [1, {T}]")
+    cache.table.commit(plan, torch.tensor(acc, dtype=torch.int32, device=cache.table.device))
 
 
 # ============================================================================= conventional baseline

@@ -9,17 +9,17 @@ stochastic-rounding bits are those of ``replayssm_cute.cache`` (module docstring
 ``cache.read_state`` decodes a copy and ``cache._write_state_`` writes one fp32 state into every
 copy (SR into a low-precision checkpoint, RTN into the read copy).
 
-Standard decoding (T = 1) through the state copies, per active row with h = cursor[slot] (pad
-rows as in ``reference.*_decode_cache_``):
+Standard decoding (T = 1) through the state copies, per active row with h from the step's plan
+(pad rows as in ``reference.*_decode_cache_``; the table advances when the plan is made):
 
 * non-flush (h + 1 < window): the state read is the **read copy** (or, without one, the
   checkpoint: the shared configuration), decoded exactly to float64; output and record as in
   ``reference.*_replay_step`` from that state and the h records as stored; the record is
-  written at (origin + h) % capacity, cursor += 1. No state copy is written.
+  written at (origin + h) % capacity. No state copy is written.
 * flush (h + 1 >= window; every step at window 1): the state read is the **recurrence
   checkpoint**, decoded; the state after the token is rebuilt from it in float64 and its
   output computed from the rebuilt state; the rebuilt state is rounded once to fp32 and that
-  one fp32 state is written into every copy (never one copy from the other); cursor = 0.
+  one fp32 state is written into every copy (never one copy from the other).
   GDN with ``flush_corrections == "rederive"`` (paper Algorithm 6) ignores the cached u_j:
   ``u_j = beta_j (v_j - alpha_j S_{j-1} k_j)`` along the recurrence from the checkpoint, with
   (k, g, v, beta) as stored (``reference.gdn_replay_rederive``), then the token's own step;
@@ -35,7 +35,7 @@ h + T > window (the flush step), else the read copy. The draft outputs (and GDN 
 corrections) come from that state; a flush rebuilds the committed records from the checkpoint
 and writes every copy. GDN "rederive" re-derives the committed corrections from the checkpoint
 first and uses them for the drafts and outputs too (``reference.gdn_verify_lowprec_cache_``).
-``reference.commit_cache_`` is unchanged (it moves cursors only).
+``reference.commit_cache_`` moves the table as after any verify.
 
 The row loops, layer math and materialize are those of ``pool`` and ``pool_spec``, which run a
 cache that is not plain through ``STATE_COPIES`` (``state_access``); their
@@ -58,16 +58,17 @@ Tensor = torch.Tensor
 class StateAccess(NamedTuple):
     """How a cache-level step reaches a slot's state: ``read(cache, slot, flush)`` gives the state
     (1, *state shape) a step starts from (``flush``: the step folds the ring into the checkpoint);
-    ``store_(cache, slot, state)`` stores the float64 state a flush built and sets cursor = 0."""
+    ``store_(cache, slot, state, sr_write)`` stores the float64 state a flush built, as SR write
+    ``sr_write`` of the slot (the step's plan). Positions are the table's (``replayssm_cute.table``):
+    a store does not touch them."""
 
     read: Callable[[object, int, bool], Tensor]
-    store_: Callable[[object, int, Tensor], None]
+    store_: Callable[[object, int, Tensor, int], None]
 
 
-def _store_checkpoint_(cache, slot: int, new_ckpt: Tensor) -> None:
-    """A flush: the slot's checkpoint = new_ckpt (cast to its dtype) and cursor = 0."""
+def _store_checkpoint_(cache, slot: int, new_ckpt: Tensor, sr_write: int) -> None:
+    """A flush: the slot's checkpoint = new_ckpt (cast to its dtype); fp32, so no SR write."""
     cache.checkpoint[slot] = new_ckpt.to(dtype=cache.checkpoint.dtype)
-    cache.cursor[slot] = 0
 
 
 # A plain cache: its fp32 checkpoint, read and written as is.
@@ -81,14 +82,14 @@ def read_state_f64(cache, slot: int, flush: bool) -> Tensor:
     """The state a step of ``slot`` reads, decoded to float64 (1, *state shape): the recurrence
     checkpoint on a flush step, else the read copy (the checkpoint when there is none)."""
     copy = "checkpoint" if flush or cache.read_copy is None else "read_copy"
-    return f64(cache.read_state([slot], copy))
+    return f64(cache._decoded([slot], copy))
 
 
-def store_state_(cache, slot: int, state: Tensor) -> None:
+def store_state_(cache, slot: int, state: Tensor, sr_write: int) -> None:
     """A flush of ``slot``: round ``state`` (float64) once to fp32 and write that fp32 state into
-    every copy (``cache._write_state_``); cursor = 0. Origin and ring are not touched."""
-    cache._write_state_([slot], state.reshape((1,) + tuple(cache._state_shape)).to(torch.float32))
-    cache.cursor[slot] = 0
+    every copy (``cache._write_state_``), SR with the bits of write ``sr_write``. Positions and
+    ring are not touched."""
+    cache._write_state_([slot], state.reshape((1,) + tuple(cache._state_shape)).to(torch.float32), [sr_write])
 
 
 # How the reference steps reach the state of any cache (the module docstring's rules).

@@ -2,7 +2,7 @@
 
 * ``launch``: ``Kernel`` (one GPU kernel of a layer: its analytical default config, check and
   compile function), the launcher memoised per (kernel, Shape, T, batch bucket, config), the
-  commit kernel, the active platform, ``reload``;
+  sequence-table kernels, the active platform, ``reload``;
 * ``tuning``: the tuned-config files (format, locations, lookup), read by ``launch``;
 * ``compile_cache``: compiled kernels in memory and on disk, keyed by what changes the code.
 

@@ -23,7 +23,7 @@ from .tuning import Platform, batch_bucket
 
 _CUTE_DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
 _cute_dtypes: dict = {}
-_launchers: dict = {}  # (kernel, shape, num_drafts, bucket, config) or a CommitShape -> the compiled callable
+_launchers: dict = {}  # (kernel, shape, num_drafts, bucket, config) or a table kernel key -> the compiled callable
 _platform_override: Optional[tuple] = None  # (platform,) inside use_platform
 
 
@@ -78,14 +78,18 @@ def launcher(kernel: Kernel, shape, num_drafts: int, batch: int, config=None):
     return fn
 
 
-def commit_launcher(shape):
-    """The callable of the commit kernel for `shape` (a kernels.commit.CommitShape), memoised."""
-    fn = _launchers.get(shape)
+def table_launcher(kind: str, window: int, capacity: int, num_drafts: int, pad_slot_id: int):
+    """The callable of a sequence-table kernel (kernels/table.py), memoised: ``kind`` "plan"
+    (TablePlan; num_drafts 0 for standard decode) or "commit" (TableCommit)."""
+    key = ("table", kind, window, capacity, num_drafts, pad_slot_id)
+    fn = _launchers.get(key)
     if fn is None:
-        from ..kernels.commit import compile_commit
+        from ..kernels.table import TableShape, compile_commit, compile_plan
 
-        fn = _launchers[shape] = compile_cache.get_compiled(
-            "commit", shape.key(), lambda: compile_commit(shape, compile_cache.compile_options()))
+        shape = TableShape(window, capacity, num_drafts, pad_slot_id)
+        build = compile_plan if kind == "plan" else compile_commit
+        fn = _launchers[key] = compile_cache.get_compiled(
+            f"table_{kind}", shape.key(), lambda: build(shape, compile_cache.compile_options()))
     return fn
 
 
