@@ -92,11 +92,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import replayssm_cute as rs  # noqa: E402
-from replayssm_cute import reference as R  # noqa: E402
+from replayssm_cute.layers import LAYERS as LAYER_HOSTS  # noqa: E402
 from result_files import check_out, default_out, device_tag  # noqa: E402
 
 PROG = "error_growth"
-LAYERS = ("mamba2", "gdn")
+LAYERS = tuple(LAYER_HOSTS)  # ("mamba2", "gdn")
 DEFAULT_TOKENS = 4096
 DEFAULT_BATCH = 2
 CUDA_DEFAULT_TOKENS = 65536  # --device cuda: the long run
@@ -108,7 +108,7 @@ DEFAULT_SHAPES = {"mamba2": (4, 16, 32, 1), "gdn": (4, 32, 32, 1)}  # H,P,N,G | 
 # --device cuda: the kernels' nvfp4 reads and writes take 2, 4 or 8 elements of the innermost dim
 # per lane, so N / K = 64 at least (the CPU defaults' 32 would drop every nvfp4 configuration)
 CUDA_DEFAULT_SHAPES = {"mamba2": (4, 16, 64, 1), "gdn": (4, 32, 64, 1)}
-SHAPE_NAMES = {"mamba2": "H,P,N,G", "gdn": "HV,V,K,H"}
+SHAPE_NAMES = {name: host.dims_names for name, host in LAYER_HOSTS.items()}
 DEFAULT_RATES = (5e-5, 0.1)
 COLUMNS = ("layer", "config", "checkpoint_format", "read_copy", "shared", "window", "flush_corrections", "N",
            "rel_err_output", "rel_err_state", "backend", "batch", "shape")
@@ -164,10 +164,6 @@ CONFIGS = _configurations()
 # ----------------------------------------------------------------------------- layers
 
 
-def _inv_softplus(y: float) -> float:
-    return math.log(math.expm1(y))
-
-
 def head_rates(nheads: int, rates: Sequence[float]) -> torch.Tensor:
     """Per-head decay rates -log(alpha), log-uniformly spaced over [rates[0], rates[1]], float64."""
     lo, hi = rates
@@ -176,72 +172,32 @@ def head_rates(nheads: int, rates: Sequence[float]) -> torch.Tensor:
     return torch.logspace(math.log10(lo), math.log10(hi), nheads, dtype=torch.float64)
 
 
-class _Mamba2:
-    """Mamba-2 layer: cache, random token inputs, decode through the API, float64 reference step."""
+class _StudyLayer:
+    """One layer of the study: its adapter's (replayssm_cute.layers) weights for the decay rates,
+    random tokens, float64 conventional step and cache; decode through the API by keyword."""
 
-    name = "mamba2"
-
-    def __init__(self, shape, batch: int, rates, device="cpu"):
-        self.H, self.P, self.N, self.G = shape
-        self.batch = batch
-        # alpha = exp(A dt), dt = softplus(dt_raw + dt_bias) with softplus(dt_bias) = MAMBA2_DT_MEAN
-        self.A = (-head_rates(self.H, rates) / MAMBA2_DT_MEAN).float().to(device)
-        self.dt_bias = torch.full((self.H,), _inv_softplus(MAMBA2_DT_MEAN), dtype=torch.float32).to(device)
-        self.state_shape = (self.H, self.P, self.N)
-        self.out_shape = (self.H, self.P)
+    def __init__(self, layer: str, shape, batch: int, rates, device="cpu"):
+        self.host, self.name, self.shape, self.batch = LAYER_HOSTS[layer], layer, tuple(shape), batch
+        self.params = self.host.study_params(self.shape, head_rates(self.shape[0], rates), MAMBA2_DT_MEAN, device)
+        self.state_shape, self.out_shape = self.host.row_shapes(self.shape)
 
     def make_cache(self, window: int, device, **formats):
-        return rs.Mamba2Cache(self.batch, self.H, self.P, self.N, self.G, window=window, dtype=torch.float32,
-                              device=device, **formats)
+        return self.host.cache_type(self.batch, *self.shape, window=window, dtype=torch.float32, device=device,
+                                    **formats)
 
     def draw(self, g: torch.Generator) -> dict:
-        b, H, P, N, G = self.batch, self.H, self.P, self.N, self.G
-        return {"x": torch.randn(b, H, P, generator=g), "dt": 0.5 * torch.randn(b, H, generator=g),
-                "B": torch.randn(b, G, N, generator=g) / math.sqrt(N),
-                "C": torch.randn(b, G, N, generator=g) / math.sqrt(N)}
+        return self.host.study_tokens(self.shape, self.batch, g)
 
     def reference(self, S: torch.Tensor, t: dict):
-        return R.mamba2_conventional_step(S, t["x"], t["dt"], self.A, t["B"], t["C"], None, None, self.dt_bias, True)
+        return self.host.conventional_reference(S, t, self.params)
 
     def decode(self, cache, t: dict, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return rs.decode(cache, t["x"], t["dt"], self.A, t["B"], t["C"], ids, dt_bias=self.dt_bias, dt_softplus=True,
-                         out=out)
-
-
-class _GDN:
-    """Gated DeltaNet layer: as _Mamba2."""
-
-    name = "gdn"
-
-    def __init__(self, shape, batch: int, rates, device="cpu"):
-        self.HV, self.V, self.K, self.Hk = shape
-        self.batch = batch
-        # g = -exp(A_log) softplus(a + dt_bias) with softplus(dt_bias) = 1: -log(alpha) ~ rate * O(1)
-        self.A_log = torch.log(head_rates(self.HV, rates)).float().to(device)
-        self.dt_bias = torch.full((self.HV,), _inv_softplus(1.0), dtype=torch.float32).to(device)
-        self.state_shape = (self.HV, self.V, self.K)
-        self.out_shape = (self.HV, self.V)
-
-    def make_cache(self, window: int, device, **formats):
-        return rs.GDNCache(self.batch, self.HV, self.V, self.K, self.Hk, window=window, dtype=torch.float32,
-                           device=device, **formats)
-
-    def draw(self, g: torch.Generator) -> dict:
-        b, HV, V, K, H = self.batch, self.HV, self.V, self.K, self.Hk
-        return {"q": torch.randn(b, H, K, generator=g), "k": torch.randn(b, H, K, generator=g),
-                "v": torch.randn(b, HV, V, generator=g), "a": 0.5 * torch.randn(b, HV, generator=g),
-                "b": torch.randn(b, HV, generator=g)}
-
-    def reference(self, S: torch.Tensor, t: dict):
-        return R.gdn_conventional_step(S, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias)
-
-    def decode(self, cache, t: dict, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return rs.decode(cache, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias, ids, out=out)
+        return rs.decode(cache, slot_ids=ids, out=out, **t, **self.params)
 
 
 def make_layer(layer: str, shape, batch: int, rates, device="cpu"):
     """The layer's parameters on ``device``; its random inputs are always drawn on the CPU."""
-    return (_Mamba2 if layer == "mamba2" else _GDN)(shape, batch, rates, device)
+    return _StudyLayer(layer, shape, batch, rates, device)
 
 
 def cache_options(cfg: Config, layer: str, window: int, seed: int) -> dict:
@@ -627,7 +583,7 @@ def summary_table(rows: List[dict], at: Sequence[int]) -> str:
     layers = [la for la in LAYERS if any(r["layer"] == la for r in rows)]
     val = {(r["layer"], r["config"], int(r["N"])): float(r["rel_err_output"]) for r in rows}
     names = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    head = ["configuration"] + [f"{'Mamba-2' if la == 'mamba2' else 'GDN'} N={N}" for la in layers for N in at]
+    head = ["configuration"] + [f"{LAYER_HOSTS[la].titles[0]} N={N}" for la in layers for N in at]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for c in names:
         cells = [val.get((la, c, N)) for la in layers for N in at]
@@ -654,7 +610,7 @@ def plot(rows: List[dict], path: Path) -> None:
             ax.loglog([p[0] for p in pts], [max(p[1], 1e-12) for p in pts], styles[c.split("-")[0]],
                       color=cmap(i % 20), marker="o", markersize=3, label=c)
         backend = next((r.get("backend") for r in rows if r["layer"] == la), None) or BACKENDS["cpu"]
-        ax.set_title(f"{'Mamba-2' if la == 'mamba2' else 'Gated DeltaNet'}: output error vs float64 "
+        ax.set_title(f"{LAYER_HOSTS[la].titles[1]}: output error vs float64 "
                      f"({'GPU kernels' if backend == BACKENDS['cuda'] else 'CPU reference'})")
         ax.set_xlabel("generation length N (tokens)")
         ax.set_ylabel("relative output error (window mean)")

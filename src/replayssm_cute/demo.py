@@ -31,13 +31,6 @@ import os
 import sys
 import time
 
-OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 2e-5}  # relative L2, outputs
-STATE_TOL = 2e-5  # relative L2, fp32 states against the float64 recurrence
-# GDN records keep u in fp16 (unit roundoff 4.9e-4) and the key in the activation dtype, so with a
-# ring outputs and states are only that close to the float64 recurrence (about 3e-4 observed with
-# fp32 activations); the conventional step (window 1) keeps STATE_TOL.
-GDN_OUT_TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
-GDN_RING_STATE_TOL = {"bfloat16": 5e-3, "float16": 2e-3, "float32": 1e-3}
 MAX_WINDOW = 32  # ring capacity: the kernels keep one record per lane
 
 
@@ -49,126 +42,42 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-class _Mamba2Layer:
-    """What the staggered check needs of a Mamba-2 layer: caches, parameters, one token's
-    random inputs, the decode call, the float64 recurrence and the tolerances."""
-
-    kind = "Mamba-2"
-    name = "mamba2"  # its layer name (models.ModelSpec.layer, replayssm_cute.layers)
+class _DemoLayer:
+    """What the staggered check needs of `model`'s layer, from its adapter (replayssm_cute.layers):
+    caches, random weights, one token's random inputs, the decode call, the float64 recurrence and
+    the tolerances."""
 
     def __init__(self, model, gen, dev):
-        import torch
+        from .layers import LAYERS
 
-        self.H, self.P, self.N, self.G = model.nheads, model.headdim, model.dstate, model.ngroups
-        self.state_dims = (self.H, self.P, self.N)
-        self.out_dims = (self.H, self.P)
-        self.A = -(1.0 + torch.rand(self.H, generator=gen, device=dev))
-        self.dt_bias = -4.0 + torch.rand(self.H, generator=gen, device=dev)
-        self.D = torch.randn(self.H, generator=gen, device=dev)
+        self.host = LAYERS[model.layer]
+        self.model, self.name, self.kind = model, model.layer, self.host.titles[0]
+        self.dims = (model.nheads, model.headdim, model.dstate, model.ngroups)
+        self.state_dims, self.out_dims = self.host.row_shapes(self.dims)
+        self.params = self.host.random_params(self.dims, gen, dev)
 
     def cache(self, slots, window, dtype, dev):
-        from .cache import Mamba2Cache
+        from .layers import model_cache
 
-        return Mamba2Cache(slots, self.H, self.P, self.N, self.G, window=window, dtype=dtype, device=dev)
+        return model_cache(self.model, slots, window, dev, dtype=dtype)
 
     def token(self, batch, dtype, gen, dev):
-        import torch
-
-        return dict(x=torch.randn(batch, self.H, self.P, generator=gen, device=dev).to(dtype),
-                    dt=(0.5 * torch.randn(batch, self.H, generator=gen, device=dev)).to(dtype),
-                    B=torch.randn(batch, self.G, self.N, generator=gen, device=dev).to(dtype),
-                    C=torch.randn(batch, self.G, self.N, generator=gen, device=dev).to(dtype))
+        return self.host.random_tokens(self.dims, (batch,), dtype, gen, dev)
 
     def decode(self, cache, t, slot_ids, out):
         from .api import decode
 
-        decode(cache, t["x"], t["dt"], self.A, t["B"], t["C"], slot_ids, D=self.D,
-               dt_bias=self.dt_bias, dt_softplus=True, out=out)
+        decode(cache, slot_ids=slot_ids, out=out, **t, **self.params)
 
     def reference(self, state, t):
-        from . import reference
-
-        return reference.mamba2_conventional_step(state, t["x"], t["dt"], self.A, t["B"], t["C"],
-                                                  D=self.D, dt_bias=self.dt_bias, dt_softplus=True)
+        return self.host.conventional_reference(state, t, self.params)
 
     def materialize(self, cache, slots):
-        return cache.materialize(slots, self.A)
+        return self.host.materialize(cache, slots, self.params)
 
-    def out_tol(self, dtype) -> float:
-        return OUT_TOL[_dtype_name(dtype)]
-
-    def state_tol(self, window, dtype) -> float:
-        return STATE_TOL
-
-    def tolerance_note(self, window):
-        return None
-
-
-class _GDNLayer:
-    """The same for a Gated DeltaNet layer (ModelSpec: nheads = HV value heads, headdim = V,
-    dstate = K, ngroups = H key heads); decays as in Qwen3-Next (-exp(A_log) in [-8, -1],
-    softplus(a + dt_bias) small), q, k, v and the raw gates standard normal."""
-
-    kind = "GDN"
-    name = "gdn"  # its layer name (models.ModelSpec.layer, replayssm_cute.layers)
-
-    def __init__(self, model, gen, dev):
-        import torch
-
-        self.HV, self.V, self.K, self.H = model.nheads, model.headdim, model.dstate, model.ngroups
-        self.state_dims = (self.HV, self.V, self.K)
-        self.out_dims = (self.HV, self.V)
-        self.A_log = torch.log(1.0 + 7.0 * torch.rand(self.HV, generator=gen, device=dev))
-        self.dt_bias = -4.0 + 2.0 * torch.rand(self.HV, generator=gen, device=dev)
-
-    def cache(self, slots, window, dtype, dev):
-        from .cache import GDNCache
-
-        return GDNCache(slots, self.HV, self.V, self.K, self.H, window=window, dtype=dtype, device=dev)
-
-    def token(self, batch, dtype, gen, dev):
-        import torch
-
-        def rnd(*shape):
-            return torch.randn(batch, *shape, generator=gen, device=dev).to(dtype)
-
-        return dict(q=rnd(self.H, self.K), k=rnd(self.H, self.K), v=rnd(self.HV, self.V),
-                    a=rnd(self.HV), b=rnd(self.HV))
-
-    def decode(self, cache, t, slot_ids, out):
-        from .api import decode
-
-        decode(cache, t["q"], t["k"], t["v"], t["a"], t["b"], self.A_log, self.dt_bias, slot_ids, out=out)
-
-    def reference(self, state, t):
-        from . import reference
-
-        return reference.gdn_conventional_step(state, t["q"], t["k"], t["v"], t["a"], t["b"],
-                                               self.A_log, self.dt_bias)
-
-    def materialize(self, cache, slots):
-        return cache.materialize(slots)
-
-    def out_tol(self, dtype) -> float:
-        return GDN_OUT_TOL[_dtype_name(dtype)]
-
-    def state_tol(self, window, dtype) -> float:
-        return STATE_TOL if window == 1 else GDN_RING_STATE_TOL[_dtype_name(dtype)]
-
-    def tolerance_note(self, window):
-        """Why ReplaySSM's GDN errors are larger than the conventional step's (None at window 1)."""
-        if window == 1:
-            return None
-        return ("why GDN ReplaySSM has a looser tolerance: its ring stores each token's correction u "
-                "in fp16 (and the key in the activation dtype), so its outputs and states carry that "
-                "rounding; the conventional step keeps no ring")
-
-
-_LAYERS = {"mamba2": _Mamba2Layer, "gdn": _GDNLayer}
+    def tolerances(self, window, dtype):
+        """(outputs, states, note): the layer's ``check_tolerances``."""
+        return self.host.check_tolerances(window, dtype)
 
 
 def staggered_check(model, batch: int, window: int, windows: int, dtype, device, seed: int = 0) -> dict:
@@ -184,7 +93,7 @@ def staggered_check(model, batch: int, window: int, windows: int, dtype, device,
     slots = torch.randperm(batch, generator=gen, device=dev).to(torch.int32)
     # (slots, heads, d_v, d_k) for both layers: Mamba-2 (H, P, N), GDN (HV, V, K)
     init = torch.randn(batch, model.nheads, model.headdim, model.dstate, generator=gen, device=dev) * 0.1
-    layer = _LAYERS[model.layer](model, gen, dev)
+    layer = _DemoLayer(model, gen, dev)
     caches = {
         "conventional": layer.cache(batch, 1, dtype, dev),
         "replayssm": layer.cache(batch, window, dtype, dev),
@@ -193,15 +102,15 @@ def staggered_check(model, batch: int, window: int, windows: int, dtype, device,
         c.load_prefill(slots, init)
     ref_state = init.double()
 
-    out_tol = layer.out_tol(dtype)
-    state_tol = {"conventional": layer.state_tol(1, dtype), "replayssm": layer.state_tol(window, dtype)}
+    out_tol, replay_state_tol, note = layer.tolerances(window, dtype)
+    state_tol = {"conventional": layer.tolerances(1, dtype)[1], "replayssm": replay_state_tol}
     rows = torch.arange(batch, device=dev)
     sidx = slots.long()
     warm = window - 1
     res = {"out_err": {k: 0.0 for k in caches}, "flush_err": 0.0, "flushes": 0,
            "conv_state_err": 0.0, "final_err": {}, "steps": warm + windows * window, "failures": [],
            "failed": 0, "kind": layer.kind, "out_tol": out_tol, "state_tol": state_tol,
-           "note": layer.tolerance_note(window)}
+           "note": note}
     fails = res["failures"]
 
     def fail(msg):
@@ -318,9 +227,9 @@ def _gpu_demo(model, shard, args) -> int:
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name(dev)}; kernels for {target_arch()}; launch configs "
           f"at batch {batch}:")
-    layer = _LAYERS[shard.layer]
+    layer = _DemoLayer(shard, torch.Generator(device=dev), dev)
     for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
-        probe = layer(shard, torch.Generator(device=dev), dev).cache(1, w, torch.bfloat16, dev)
+        probe = layer.cache(1, w, torch.bfloat16, dev)
         t0 = time.perf_counter()
         launcher(*_decode_kernel_shape(layer, probe), 0, batch)
         print(f"  {name:18s} kernel ready in {time.perf_counter() - t0:5.1f} s "
@@ -393,10 +302,10 @@ def _cpu_demo(model, shard, args) -> int:
     _print_check(res, batch, L, args.windows, "fp32")
     print(f"  (reference path, {time.perf_counter() - t0:.1f} s)")
 
-    layer = _LAYERS[shard.layer]
+    layer = _DemoLayer(shard, torch.Generator(), "cpu")
     print(f"launch configs decode would pick on a GPU at batch {args.batch} (bf16 activations):")
     for w, name in ((1, "conventional"), (L, f"ReplaySSM L={L}")):
-        probe = layer(shard, torch.Generator(), "cpu").cache(1, w, torch.bfloat16, "cpu")
+        probe = layer.cache(1, w, torch.bfloat16, "cpu")
         print(f"  {name:18s} {launch_config_line(layer, probe, args.batch, gpu=False)}")
         del probe
 
@@ -450,8 +359,10 @@ def _check_args(args):
         model = get_model(args.model)
     except ValueError as e:
         return str(e), None, None
-    if model.layer not in _LAYERS:
-        return (f"{model.name} is a {model.layer} model; the demo knows {', '.join(sorted(_LAYERS))} "
+    from .layers import LAYERS
+
+    if model.layer not in LAYERS:
+        return (f"{model.name} is a {model.layer} model; the demo knows {', '.join(sorted(LAYERS))} "
                 f"layers"), None, None
     try:
         return None, model, model.shard(args.tp)
@@ -480,11 +391,10 @@ def main(argv=None) -> int:
     import torch
 
     t0 = time.perf_counter()
-    if shard.layer == "gdn":
-        dims = (f"GDN layer shard HV={shard.nheads} value heads, V={shard.headdim}, K={shard.dstate}, "
-                f"H={shard.ngroups} key heads")
-    else:
-        dims = f"Mamba-2 layer shard H={shard.nheads} P={shard.headdim} N={shard.dstate} G={shard.ngroups}"
+    from .layers import LAYERS
+
+    host = LAYERS[shard.layer]
+    dims = f"{host.titles[0]} layer shard {host.dims_text((shard.nheads, shard.headdim, shard.dstate, shard.ngroups))}"
     print(f"{model.name}, tp {args.tp}: {dims} ({model.num_layers} SSM layers); state "
           f"{shard.nheads * shard.headdim * shard.dstate * 4 / 2**20:.1f} MiB per sequence per layer; "
           f"window L={args.window}")

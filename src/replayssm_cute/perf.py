@@ -16,7 +16,7 @@ import math
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from . import quant
-from .layers import GDNLayer, Mamba2Layer, model_cache
+from .layers import LAYERS, model_cache
 from .runtime import launch
 from .runtime.tuning import batch_bucket
 
@@ -33,26 +33,32 @@ class _Layer:
     row per group and an fp32 scalar per head; the pool's activations are bf16. The pool's inputs
     are the serving engines' usual ones (the adapter's ``engine_inputs``)."""
 
-    raw_gates: int  # 16-bit raw per-head scalars per row: Mamba-2 dt, GDN a and b
-    host: type  # the layer's adapter (replayssm_cute.layers): cache type, kernels, Shape of a call
+    host: type  # the layer's adapter (replayssm_cute.layers): cache type, kernels, Shape of a call, bench inputs
 
-    @staticmethod
-    def fill_ring(cache, gen):
+    @classmethod
+    def fill_ring(cls, cache, gen):
         """Plausible records in every slot's ring (the pool's cursors may start anywhere)."""
-        raise NotImplementedError
+        cls.host.bench_ring(cache, gen)
 
-    @staticmethod
-    def inputs(m, batch, gen, device, drafts=0):
-        """decode() keyword arguments (slot_ids and config aside), ``out`` included; with
-        ``drafts`` T > 0, those of verify() and snapshot_verify(): token tensors (batch, T, ...)."""
-        raise NotImplementedError
+    @classmethod
+    def inputs(cls, m, batch, gen, device, drafts=0):
+        """decode() keyword arguments (slot_ids and config aside), ``out`` included: the layer's
+        random weights and bf16 tokens (``random_params``, ``random_tokens``); with ``drafts`` T > 0,
+        those of verify() and snapshot_verify(): token tensors (batch, T, ...)."""
+        import torch
+
+        dims, lead = (m.nheads, m.headdim, m.dstate, m.ngroups), (batch, drafts) if drafts else (batch,)
+        params = cls.host.random_params(dims, gen, device)
+        tokens = cls.host.random_tokens(dims, lead, torch.bfloat16, gen, device)
+        out = torch.empty(*lead, *cls.host.row_shapes(dims)[1], dtype=torch.bfloat16, device=device)
+        return dict(tokens, **params, out=out)
 
     @classmethod
     def record_and_act_bytes(cls, m):
         """(e, act): one ring record and one row's step inputs and outputs, in bytes
         (see ``ideal_bytes``)."""
         e = m.nheads * m.headdim * 2 + m.ngroups * m.dstate * 2 + m.nheads * 4
-        act = 2 * m.nheads * m.headdim * 2 + 2 * m.ngroups * m.dstate * 2 + cls.raw_gates * m.nheads * 2
+        act = 2 * m.nheads * m.headdim * 2 + 2 * m.ngroups * m.dstate * 2 + cls.host.raw_gates * m.nheads * 2
         return e, act
 
     @staticmethod
@@ -121,91 +127,7 @@ class _Layer:
         return cls.host.verify_kernel.default_config(cls.kernel_shape(m, window), batch_bucket(batch))
 
 
-class _Mamba2Layer(_Layer):
-    """Mamba-2 (H heads of P x N, G groups), vLLM ``selective_state_update`` arguments: D and
-    dt_bias given, dt_softplus on, no z, dt in bf16."""
-
-    raw_gates = 1
-    host = Mamba2Layer
-
-    @staticmethod
-    def fill_ring(cache, gen):
-        cache.ring_x.normal_(generator=gen)
-        cache.ring_B.normal_(generator=gen)
-        cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
-
-    @staticmethod
-    def inputs(m, batch, gen, device, drafts=0):
-        """A = -U(1, 2), dt_bias = U(-4, -3), random x, dt, B, C, D."""
-        import torch
-
-        H, P, N, G = m.nheads, m.headdim, m.dstate, m.ngroups
-        bf = torch.bfloat16
-        rand, randn = _generators(gen, device)
-        lead = _token_dims(batch, drafts)
-        A = -(1 + rand(H))
-        dt_bias = -4 + rand(H)
-        D = randn(H)
-        x = randn(*lead, H, P).to(bf)
-        dt = (0.5 * randn(*lead, H)).to(bf)
-        B = randn(*lead, G, N).to(bf)
-        C = randn(*lead, G, N).to(bf)
-        out = torch.empty(*lead, H, P, dtype=bf, device=device)
-        return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, dt_softplus=True, out=out)
-
-
-class _GDNLayer(_Layer):
-    """Gated DeltaNet (HV = nheads value heads of V = headdim x K = dstate, H = ngroups key
-    heads), vLLM / FlashInfer arguments: separate q, k, v, raw gates a, b in bf16, fp32 A_log and
-    dt_bias, the default q scale."""
-
-    raw_gates = 2
-    host = GDNLayer
-
-    @staticmethod
-    def _gates(head_shape, a_shape, gen, device):
-        """A_log = log U(1, 16), dt_bias = U(-4, -3) of `head_shape` and raw a = N(0, 1/4) of
-        `a_shape`: decays exp(g), g = -exp(A_log) softplus(a + dt_bias), mostly in (0.5, 1)."""
-        rand, randn = _generators(gen, device)
-        A_log = (1 + 15 * rand(*head_shape)).log()
-        dt_bias = -4 + rand(*head_shape)
-        return A_log, dt_bias, 0.5 * randn(*a_shape)
-
-    @staticmethod
-    def fill_ring(cache, gen):
-        """Records as decoding writes them: u ~ N(0, 1), unit-norm keys, g from the pool's gates;
-        where the cache keeps them (a read copy), v ~ N(0, 1) and beta = sigmoid(N(0, 1))."""
-        import torch.nn.functional as F
-
-        device = cache.checkpoint.device
-        _, randn = _generators(gen, device)
-        cache.ring_u.normal_(generator=gen)
-        cache.ring_k.copy_(F.normalize(randn(*cache.ring_k.shape), dim=-1))
-        A_log, dt_bias, a = _GDNLayer._gates(cache.ring_g.shape, cache.ring_g.shape, gen, device)
-        cache.ring_g.copy_(-A_log.exp() * F.softplus(a + dt_bias))
-        if cache.ring_v is not None:
-            cache.ring_v.normal_(generator=gen)
-            cache.ring_beta.copy_(randn(*cache.ring_beta.shape).sigmoid())
-
-    @staticmethod
-    def inputs(m, batch, gen, device, drafts=0):
-        """Random q, k, v, raw gates a, b; A_log, dt_bias per head (see ``_gates``)."""
-        import torch
-
-        HV, V, K, H = m.nheads, m.headdim, m.dstate, m.ngroups
-        bf = torch.bfloat16
-        _, randn = _generators(gen, device)
-        lead = _token_dims(batch, drafts)
-        A_log, dt_bias, a = _GDNLayer._gates((HV,), lead + (HV,), gen, device)
-        q = randn(*lead, H, K).to(bf)
-        k = randn(*lead, H, K).to(bf)
-        v = randn(*lead, HV, V).to(bf)
-        b = randn(*lead, HV).to(bf)
-        out = torch.empty(*lead, HV, V, dtype=bf, device=device)
-        return dict(q=q, k=k, v=v, a=a.to(bf), b=b, A_log=A_log, dt_bias=dt_bias, out=out)
-
-
-_LAYERS = {"mamba2": _Mamba2Layer, "gdn": _GDNLayer}
+_LAYERS = {name: type(f"_{host.__name__}", (_Layer,), {"host": host}) for name, host in LAYERS.items()}
 
 
 def bench_layer(model):
@@ -217,19 +139,6 @@ def bench_layer(model):
     except KeyError:
         raise ValueError(f"{model.name}: unknown layer type {model.layer!r}; "
                          f"known: {', '.join(_LAYERS)}") from None
-
-
-def _token_dims(batch, drafts):
-    """Leading dims of a token tensor: (batch,) for decode, (batch, T) for speculative steps."""
-    return (batch, drafts) if drafts else (batch,)
-
-
-def _generators(gen, device):
-    """torch.rand and torch.randn (fp32) drawing from `gen` on `device`."""
-    import torch
-
-    return (lambda *shape: torch.rand(*shape, generator=gen, device=device),
-            lambda *shape: torch.randn(*shape, generator=gen, device=device))
 
 
 def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1, read_copy=None):

@@ -184,20 +184,25 @@ def test_launch_config_line_says_where_the_config_came_from(monkeypatch, tmp_pat
     from replayssm_cute import demo
     from replayssm_cute.runtime import tuning
 
+    import torch
+
+    from replayssm_cute.models import get_model
+
     cache, _ = _cache_and_inputs("mamba2_decode")
+    layer = demo._DemoLayer(get_model("nemotron-super"), torch.Generator(), "cpu")
     user = tmp_path / "tuned.json"
     monkeypatch.setenv(tuning.ENV_USER_FILE, str(user))
     monkeypatch.delenv(tuning.ENV_DISABLE, raising=False)
     monkeypatch.setattr(tuning, "tuned_fields", lambda *args: dict(_TUNED["mamba2_decode"]))
     tuned = "mamba2_decode (rows_per_cta=32, num_warps=2, min_ctas_per_sm=4): tuned "
-    assert demo.launch_config_line(demo._Mamba2Layer, cache, 200, gpu=True) == tuned + "(H200 file)"
+    assert demo.launch_config_line(layer, cache, 200, gpu=True) == tuned + "(H200 file)"
     user.write_text("{}")
-    assert demo.launch_config_line(demo._Mamba2Layer, cache, 200, gpu=True) == tuned + f"(H200 file or {user})"
+    assert demo.launch_config_line(layer, cache, 200, gpu=True) == tuned + f"(H200 file or {user})"
 
     monkeypatch.setattr(tuning, "tuned_fields", lambda *args: None)
     default = "mamba2_decode (rows_per_cta=64, num_warps=4, min_ctas_per_sm=4): analytical default"
-    assert demo.launch_config_line(demo._Mamba2Layer, cache, 200, gpu=True) == default
-    assert demo.launch_config_line(demo._Mamba2Layer, cache, 200, gpu=False).startswith(default + " (no GPU")
+    assert demo.launch_config_line(layer, cache, 200, gpu=True) == default
+    assert demo.launch_config_line(layer, cache, 200, gpu=False).startswith(default + " (no GPU")
     monkeypatch.setenv(tuning.ENV_DISABLE, "0")
-    assert demo.launch_config_line(demo._Mamba2Layer, cache, 200, gpu=True) == \
+    assert demo.launch_config_line(layer, cache, 200, gpu=True) == \
         default + " (REPLAYSSM_CUTE_TUNED=0)"

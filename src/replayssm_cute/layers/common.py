@@ -56,3 +56,9 @@ def whole_head(shape) -> bool:
     """Whether a kernel Shape needs a CTA per head: the writer of an nvfp4 copy needs the whole
     state's amax."""
     return "nvfp4" in (shape.checkpoint_format, shape.read_copy)
+
+
+def random_generators(gen, device):
+    """torch.rand and torch.randn (fp32) drawing from `gen` on `device`: the benchmarks' inputs."""
+    return (lambda *shape: torch.rand(*shape, generator=gen, device=device),
+            lambda *shape: torch.randn(*shape, generator=gen, device=device))

@@ -8,6 +8,7 @@ runtime, the Shape of a call, its argument list).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .. import checks
 from ..cache import GDNCache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import checkpoint_arg, memoised_shape, ring_args, state_copy_args, whole_head
+from .common import checkpoint_arg, memoised_shape, random_generators, ring_args, state_copy_args, whole_head
 
 
 class GDNInputs(NamedTuple):
@@ -139,6 +140,7 @@ class GDNLayer:
     """Gated DeltaNet on the host (module docstring); the op protocol as ``Mamba2Layer``'s."""
 
     name = "gdn"
+    titles = ("GDN", "Gated DeltaNet")  # (short, long) names in tables and plots
     cache_type = GDNCache
     tokens = "v"  # the token tensor: its leading dims are (batch,) or (batch, T)
     # verify's packed (varlen) form: the token tensors laid out (total_tokens, ...), then the optional ones
@@ -263,6 +265,105 @@ class GDNLayer:
     def verify_kernel_args(cache, i: GDNInputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.q, i.k, i.v, i.a, i.b, i.A_log, i.dt_bias, i.slot_ids, i.out, cache.ring_u,
                 cache.ring_k, cache.ring_g, cache.ring_v, cache.ring_beta, plan.rows, *state_copy_args(cache))
+
+    # -------------------------------------------- random weights, tokens and checks (tools, tests)
+    # `dims` are a cache's dims after the slots, as a ModelSpec's (nheads, headdim, dstate, ngroups):
+    # HV value heads of V x K, H key heads.
+
+    dims_names = "HV,V,K,H"
+    raw_gates = 2  # 16-bit raw per-head scalars of a row's step inputs: a and b
+
+    @staticmethod
+    def dims_text(dims: tuple) -> str:
+        HV, V, K, H = dims
+        return f"HV={HV} value heads, V={V}, K={K}, H={H} key heads"
+
+    @staticmethod
+    def row_shapes(dims: tuple) -> tuple:
+        """(state shape, output shape) of one row."""
+        HV, V, K, _ = dims
+        return (HV, V, K), (HV, V)
+
+    @staticmethod
+    def random_params(dims: tuple, gen, device) -> dict:
+        """decode's weights as vLLM / FlashInfer take them: A_log = log U(1, 16), dt_bias = U(-4, -3)
+        (with ``random_tokens``' gates, decays exp(g), g = -exp(A_log) softplus(a + dt_bias), mostly
+        in (0.5, 1)); the default q scale."""
+        HV = dims[0]
+        rand, _ = random_generators(gen, device)
+        return dict(A_log=(1 + 15 * rand(HV)).log(), dt_bias=-4 + rand(HV))
+
+    @staticmethod
+    def random_tokens(dims: tuple, lead: tuple, dtype, gen, device) -> dict:
+        """A step's tokens of leading dims `lead` in `dtype`: raw q, k, v, b ~ N(0, 1), raw a ~
+        N(0, 1/4)."""
+        HV, V, K, H = dims
+        _, randn = random_generators(gen, device)
+        return dict(q=randn(*lead, H, K).to(dtype), k=randn(*lead, H, K).to(dtype), v=randn(*lead, HV, V).to(dtype),
+                    a=(0.5 * randn(*lead, HV)).to(dtype), b=randn(*lead, HV).to(dtype))
+
+    @staticmethod
+    def bench_ring(cache, gen):
+        """Records as decoding writes them: u ~ N(0, 1), unit-norm keys, g from gates drawn as
+        ``random_params`` and ``random_tokens`` draw them; where the cache keeps them (a read copy),
+        v ~ N(0, 1) and beta = sigmoid(N(0, 1))."""
+        import torch.nn.functional as F
+
+        device = cache.checkpoint.device
+        rand, randn = random_generators(gen, device)
+        cache.ring_u.normal_(generator=gen)
+        cache.ring_k.copy_(F.normalize(randn(*cache.ring_k.shape), dim=-1))
+        shape = cache.ring_g.shape
+        A_log, dt_bias, a = (1 + 15 * rand(*shape)).log(), -4 + rand(*shape), 0.5 * randn(*shape)
+        cache.ring_g.copy_(-A_log.exp() * F.softplus(a + dt_bias))
+        if cache.ring_v is not None:
+            cache.ring_v.normal_(generator=gen)
+            cache.ring_beta.copy_(randn(*cache.ring_beta.shape).sigmoid())
+
+    @staticmethod
+    def study_params(dims: tuple, decay_rates: torch.Tensor, dt_mean: float, device) -> dict:
+        """The error-growth study's weights for per-value-head decay rates -log(alpha) (float64,
+        (HV,)): g = -exp(A_log) softplus(a + dt_bias) with softplus(dt_bias) = 1, so -log(alpha) is
+        the rate times O(1) (``dt_mean`` is Mamba-2's)."""
+        HV = dims[0]
+        return dict(A_log=torch.log(decay_rates).float().to(device),
+                    dt_bias=torch.full((HV,), math.log(math.expm1(1.0)), dtype=torch.float32).to(device))
+
+    @staticmethod
+    def study_tokens(dims: tuple, batch: int, g: torch.Generator) -> dict:
+        """The study's random fp32 tokens on the CPU: q, k, v, b ~ N(0, 1), raw gate a ~ N(0, 1/4)."""
+        HV, V, K, H = dims
+        return {"q": torch.randn(batch, H, K, generator=g), "k": torch.randn(batch, H, K, generator=g),
+                "v": torch.randn(batch, HV, V, generator=g), "a": 0.5 * torch.randn(batch, HV, generator=g),
+                "b": torch.randn(batch, HV, generator=g)}
+
+    @staticmethod
+    def conventional_reference(S: torch.Tensor, tokens: dict, params: dict):
+        """(o, state after the token) of the float64 conventional step from state ``S``."""
+        from ..reference import gdn_conventional_step
+
+        t = tokens
+        return gdn_conventional_step(S, t["q"], t["k"], t["v"], t["a"], t["b"], params["A_log"], params["dt_bias"],
+                                     params.get("scale"))
+
+    @staticmethod
+    def materialize(cache, slot_ids, params: dict) -> torch.Tensor:
+        """``cache.materialize`` (float64); GDN rebuilds its state from the records alone."""
+        return cache.materialize(slot_ids)
+
+    @staticmethod
+    def check_tolerances(window: int, dtype: torch.dtype) -> tuple:
+        """(outputs, states) relative L2 a decode step in ``dtype`` keeps against the float64
+        recurrence, and a note on why. With a ring (window > 1) the records keep u in fp16 (unit
+        roundoff 4.9e-4) and the key in the activation dtype, so outputs and states are only that
+        close (about 3e-4 observed with fp32 activations); the conventional step keeps fp32 states."""
+        out = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}[dtype]
+        if window == 1:
+            return out, 2e-5, None
+        state = {torch.bfloat16: 5e-3, torch.float16: 2e-3, torch.float32: 1e-3}[dtype]
+        return out, state, ("why GDN ReplaySSM has a looser tolerance: its ring stores each token's correction u "
+                            "in fp16 (and the key in the activation dtype), so its outputs and states carry that "
+                            "rounding; the conventional step keeps no ring")
 
     # ------------------------------------------------------------------------------- materialize
 

@@ -7,6 +7,7 @@ their checks, the CPU reference of each op (replayssm_cute.reference), and each 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from .. import checks
 from ..cache import Mamba2Cache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import checkpoint_arg, memoised_shape, ring_args, state_copy_args, whole_head
+from .common import checkpoint_arg, memoised_shape, random_generators, ring_args, state_copy_args, whole_head
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -128,6 +129,7 @@ class Mamba2Layer:
     with its ``*_kernel_args``."""
 
     name = "mamba2"
+    titles = ("Mamba-2", "Mamba-2")  # (short, long) names in tables and plots
     cache_type = Mamba2Cache
     tokens = "x"  # the token tensor: its leading dims are (batch,) or (batch, T)
     # verify's packed (varlen) form: the token tensors laid out (total_tokens, ...), then the optional ones
@@ -250,6 +252,83 @@ class Mamba2Layer:
     def verify_kernel_args(cache, i: Mamba2Inputs, plan) -> tuple:
         return (checkpoint_arg(cache), i.x, i.dt, i.A, i.B, i.C, i.D, i.z, i.dt_bias, i.slot_ids, i.out,
                 cache.ring_x, cache.ring_B, cache.ring_dt, plan.rows, *state_copy_args(cache))
+
+    # -------------------------------------------- random weights, tokens and checks (tools, tests)
+    # `dims` are a cache's dims after the slots, as a ModelSpec's (nheads, headdim, dstate, ngroups).
+
+    dims_names = "H,P,N,G"
+    raw_gates = 1  # 16-bit raw per-head scalars of a row's step inputs: dt
+
+    @staticmethod
+    def dims_text(dims: tuple) -> str:
+        H, P, N, G = dims
+        return f"H={H} P={P} N={N} G={G}"
+
+    @staticmethod
+    def row_shapes(dims: tuple) -> tuple:
+        """(state shape, output shape) of one row."""
+        H, P, N, _ = dims
+        return (H, P, N), (H, P)
+
+    @staticmethod
+    def random_params(dims: tuple, gen, device) -> dict:
+        """decode's weights as vLLM's ``selective_state_update`` takes them: A = -U(1, 2), dt_bias =
+        U(-4, -3), D ~ N(0, 1), dt_softplus on."""
+        H = dims[0]
+        rand, randn = random_generators(gen, device)
+        return dict(A=-(1 + rand(H)), dt_bias=-4 + rand(H), D=randn(H), dt_softplus=True)
+
+    @staticmethod
+    def random_tokens(dims: tuple, lead: tuple, dtype, gen, device) -> dict:
+        """A step's tokens of leading dims `lead` in `dtype`: x, B, C ~ N(0, 1), raw dt ~ N(0, 1/4)."""
+        H, P, N, G = dims
+        _, randn = random_generators(gen, device)
+        return dict(x=randn(*lead, H, P).to(dtype), dt=(0.5 * randn(*lead, H)).to(dtype),
+                    B=randn(*lead, G, N).to(dtype), C=randn(*lead, G, N).to(dtype))
+
+    @staticmethod
+    def bench_ring(cache, gen):
+        """Plausible records in every slot's ring (the benchmarks' pools start anywhere)."""
+        cache.ring_x.normal_(generator=gen)
+        cache.ring_B.normal_(generator=gen)
+        cache.ring_dt.uniform_(0.01, 0.05, generator=gen)
+
+    @staticmethod
+    def study_params(dims: tuple, decay_rates: torch.Tensor, dt_mean: float, device) -> dict:
+        """The error-growth study's weights for per-head decay rates -log(alpha) (float64, (H,)):
+        alpha = exp(A dt), dt = softplus(dt_raw + dt_bias) with softplus(dt_bias) = ``dt_mean``."""
+        H = dims[0]
+        return dict(A=(-decay_rates / dt_mean).float().to(device),
+                    dt_bias=torch.full((H,), math.log(math.expm1(dt_mean)), dtype=torch.float32).to(device),
+                    dt_softplus=True)
+
+    @staticmethod
+    def study_tokens(dims: tuple, batch: int, g: torch.Generator) -> dict:
+        """The study's random fp32 tokens on the CPU: x, dt ~ N(0, 1/4), B and C ~ N(0, 1/N)."""
+        H, P, N, G = dims
+        return {"x": torch.randn(batch, H, P, generator=g), "dt": 0.5 * torch.randn(batch, H, generator=g),
+                "B": torch.randn(batch, G, N, generator=g) / math.sqrt(N),
+                "C": torch.randn(batch, G, N, generator=g) / math.sqrt(N)}
+
+    @staticmethod
+    def conventional_reference(S: torch.Tensor, tokens: dict, params: dict):
+        """(y, state after the token) of the float64 conventional step from state ``S``."""
+        from ..reference import mamba2_conventional_step
+
+        t, p = tokens, params
+        return mamba2_conventional_step(S, t["x"], t["dt"], p["A"], t["B"], t["C"], p.get("D"), t.get("z"),
+                                        p.get("dt_bias"), p.get("dt_softplus", False))
+
+    @staticmethod
+    def materialize(cache, slot_ids, params: dict) -> torch.Tensor:
+        """``cache.materialize`` (float64) with the layer's weights."""
+        return cache.materialize(slot_ids, params["A"])
+
+    @staticmethod
+    def check_tolerances(window: int, dtype: torch.dtype) -> tuple:
+        """(outputs, states) relative L2 a decode step in ``dtype`` keeps against the float64
+        recurrence, and a note on why (None: fp32 states, outputs rounded to the activations)."""
+        return {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 2e-5}[dtype], 2e-5, None
 
     # ------------------------------------------------------------------------------- materialize
 
