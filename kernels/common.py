@@ -116,6 +116,22 @@ def slot_is_live(slot: Int32, num_slots: Int32, pad_slot_id: cutlass.Constexpr[i
 
 
 @cute.jit
+def planned_positions(mPlan, row: Int32, ring: cutlass.Constexpr[bool], stochastic: cutlass.Constexpr[bool]):
+    """A batch row's (h, origin, SR write counter) from the step's plan (kernels/table.py),
+    loaded by row so that they do not wait on the slot id; zero where the step has no ring
+    (``ring`` False) or writes no SR checkpoint (``stochastic`` False)."""
+    h = Int32(0)
+    origin = Int32(0)
+    sr_count = Int32(0)
+    if cutlass.const_expr(ring):
+        h = mPlan[row, 1]
+        origin = mPlan[row, 2]
+    if cutlass.const_expr(stochastic):
+        sr_count = mPlan[row, 3]
+    return h, origin, sr_count
+
+
+@cute.jit
 def start_tile_loads(
     tma_atom: cute.CopyAtom,
     m_tma: cute.Tensor,

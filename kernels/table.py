@@ -74,8 +74,16 @@ class TableShape:
         return None
 
 
-def _grid(batch):
-    return [(batch + _THREADS - 1) // _THREADS, 1, 1]
+def _launch_rows(kernel_call, rows, stream):
+    """Launch one thread per batch row."""
+    kernel_call.launch(grid=[(rows + _THREADS - 1) // _THREADS, 1, 1], block=[_THREADS, 1, 1], stream=stream)
+
+
+@cute.jit
+def _this_row() -> Int32:
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    return bidx * _THREADS + tidx
 
 
 class TablePlan:
@@ -91,16 +99,13 @@ class TablePlan:
     @cute.jit
     def __call__(self, mSlot: cute.Tensor, mPlan: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                  mSrWrites: cute.Tensor, stream):
-        self.kernel(mSlot, mPlan, mCommitted, mOrigin, mSrWrites).launch(
-            grid=_grid(mSlot.shape[0]), block=[_THREADS, 1, 1], stream=stream)
+        _launch_rows(self.kernel(mSlot, mPlan, mCommitted, mOrigin, mSrWrites), mSlot.shape[0], stream)
 
     @cute.kernel
     def kernel(self, mSlot: cute.Tensor, mPlan: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                mSrWrites: cute.Tensor):
         s = self.shape
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row = bidx * _THREADS + tidx
+        row = _this_row()
         if row < mSlot.shape[0]:
             slot = mSlot[row]
             h = Int32(0)
@@ -136,16 +141,13 @@ class TableCommit:
     @cute.jit
     def __call__(self, mPlan: cute.Tensor, mAccepted: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                  mSrWrites: cute.Tensor, stream):
-        self.kernel(mPlan, mAccepted, mCommitted, mOrigin, mSrWrites).launch(
-            grid=_grid(mPlan.shape[0]), block=[_THREADS, 1, 1], stream=stream)
+        _launch_rows(self.kernel(mPlan, mAccepted, mCommitted, mOrigin, mSrWrites), mPlan.shape[0], stream)
 
     @cute.kernel
     def kernel(self, mPlan: cute.Tensor, mAccepted: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                mSrWrites: cute.Tensor):
         s = self.shape
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row = bidx * _THREADS + tidx
+        row = _this_row()
         if row < mPlan.shape[0]:
             slot = mPlan[row, 0]
             if slot_is_live(slot, mCommitted.shape[0], s.pad_slot_id):

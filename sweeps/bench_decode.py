@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replayssm_cute.models import MODELS, get_model  # noqa: E402
 from replayssm_cute.perf import (  # noqa: E402
-    DecodePool, bench_layer, compile_pool_kernel, ideal_bytes, time_graph)
+    DecodePool, bench_layer, compile_pool_kernel, compile_table_kernels, ideal_bytes, time_graph)
 from result_files import check_out, default_out, device_tag, gpu_name  # noqa: E402
 
 DEFAULT_MODELS = "nemotron-super,nemotron-nano-4b,qwen3.5-4b,qwen3.5-122b"
@@ -90,6 +90,8 @@ def compile_jobs(models, batches, window, quick):
 def _compile_one(job):
     model, window, cfg = job
     compile_pool_kernel(model, window, cfg)
+    if window > 1:  # the step's plan
+        compile_table_kernels(window)
     return True
 
 

@@ -180,7 +180,7 @@ def verify_configs(model, batch: int, drafts: int, window: int, mode: str, quick
 def compile_jobs(models, batches, formats, window, drafts, mode, quick) -> list:
     """(model, window, read format, T, config, batch) for every kernel the run times, in a stable
     order: the conventional steps (window 1), the decode steps of each format (T = 0), the verify
-    steps (T > 0) and the commit (model None). The batch counts only where the API picks the
+    steps (T > 0) and the sequence table's kernels of the draft cache (model None). The batch counts only where the API picks the
     config (None): by the batch itself for decode (its tuned bucket), and by batch <= SMALL_BATCH
     for verify; else 0."""
     jobs = {(m, 1, BASELINE, 0, c, 0) for m in models for b in batches for c in candidate_configs(m, b, window, quick)}
@@ -205,6 +205,8 @@ def _compile_job(job):
             compile_table_kernels(window, drafts)
         else:
             compile_pool_kernel(model, window, cfg, drafts, max(batch, 1), read_copy=read_copy_arg(fmt))
+            if window > 1 and not drafts:  # the decode step's plan
+                compile_table_kernels(window)
     except Exception as e:  # noqa: BLE001 - reported, the timed run records it
         if isinstance(e, ValueError) and "cannot take it" in str(e):
             return False  # a grid config this kernel refuses (nvfp4 writers want whole heads): skipped when timed

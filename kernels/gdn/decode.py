@@ -60,7 +60,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import launch_tiles, pow2_at_least, slot_is_live, warp_reduce_many
+from ..common import launch_tiles, planned_positions, pow2_at_least, slot_is_live, warp_reduce_many
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
@@ -295,17 +295,8 @@ class GDNDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
-        # The ring position and SR write counter come from the step's plan, indexed by the batch
-        # row like the slot id, so neither load waits on the other.
         slot = mSlot[row]
-        h = Int32(0)
-        origin = Int32(0)
-        sr_count = Int32(0)
-        if cutlass.const_expr(L > 1):
-            h = mPlan[row, 1]
-            origin = mPlan[row, 2]
-        if cutlass.const_expr(copies.stochastic):
-            sr_count = mPlan[row, 3]
+        h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:

@@ -56,7 +56,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
-                      padded_tile_layout, round_up, rows_times_columns, slot_is_live, smem_fit, verify_check)
+                      padded_tile_layout, planned_positions, round_up, rows_times_columns, slot_is_live, smem_fit,
+                      verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
@@ -202,14 +203,8 @@ class GDNVerify(DraftStepKernel):
         g4 = lane // 4
         c4 = lane % 4
 
-        # Ring position and SR write counter from the step's plan, indexed by the batch row like the
-        # slot id, so neither load waits on the other.
         slot = mSlot[row]
-        h = mPlan[row, 1]
-        origin = mPlan[row, 2]
-        sr_count = Int32(0)
-        if cutlass.const_expr(copies.stochastic):
-            sr_count = mPlan[row, 3]
+        h, origin, sr_count = planned_positions(mPlan, row, True, copies.stochastic)
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:

@@ -55,7 +55,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import launch_tiles, slot_is_live, softplus, warp_reduce_many, warp_sum
+from ..common import launch_tiles, planned_positions, slot_is_live, softplus, warp_reduce_many, warp_sum
 from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale,
                         ring_coefficients, smem_scale, start_state_loads, store_copies, write_state_scales)
 from .config import Mamba2Config, Mamba2Shape
@@ -158,17 +158,8 @@ class Mamba2Decode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
-        # The ring position and SR write counter come from the step's plan, indexed by the batch
-        # row like the slot id, so neither load waits on the other.
         slot = mSlot[row]
-        h = Int32(0)
-        origin = Int32(0)
-        sr_count = Int32(0)
-        if cutlass.const_expr(L > 1):
-            h = mPlan[row, 1]
-            origin = mPlan[row, 2]
-        if cutlass.const_expr(copies.stochastic):
-            sr_count = mPlan[row, 3]
+        h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
 
         if valid:

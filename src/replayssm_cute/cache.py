@@ -104,12 +104,11 @@ k, g) (``flush_corrections="rederive"``, paper Algorithm 6); ``"fold"`` folds th
 from __future__ import annotations
 
 import math
-import operator
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import quant, reference
+from . import checks, quant, reference
 from .table import SequenceTable, StepPlan
 
 __all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS",
@@ -176,18 +175,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _as_int(name: str, value, minimum: Optional[int] = None) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
 class _SlotPool:
     """What every layer's state pool shares: the pool arguments (slots, window, drafts,
     activation dtype, device, pad sentinel), the fp32 checkpoint, the ring tensors, the
@@ -223,11 +210,11 @@ class _SlotPool:
     def _setup_pool(self, num_slots, dims: Sequence, window, max_draft, dtype, device, pad_slot_id,
                     checkpoint: Optional[torch.Tensor], checkpoint_format="fp32", read_copy=None,
                     shared=False, sr_seed=None, table: Optional[SequenceTable] = None) -> None:
-        num_slots = _as_int("num_slots", num_slots, 1)
-        dims = {name: _as_int(name, value, 1) for name, value in zip(self._DIMS, dims)}
-        window = _as_int("window", window, 1)
-        max_draft = _as_int("max_draft", max_draft, 0)
-        pad_slot_id = _as_int("pad_slot_id", pad_slot_id)
+        num_slots = checks.as_int("num_slots", num_slots, 1)
+        dims = {name: checks.as_int(name, value, 1) for name, value in zip(self._DIMS, dims)}
+        window = checks.as_int("window", window, 1)
+        max_draft = checks.as_int("max_draft", max_draft, 0)
+        pad_slot_id = checks.as_int("pad_slot_id", pad_slot_id)
         self._check_dims(**dims)
         if max_draft > _MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {_MAX_DRAFT}], got {max_draft}")
@@ -515,7 +502,7 @@ class _SlotPool:
             ids = [int(s) for s in slot_ids.tolist()]
         else:
             try:
-                ids = [_as_int(name, s) for s in slot_ids]
+                ids = [checks.as_int(name, s) for s in slot_ids]
             except TypeError:
                 raise TypeError(f"{name} must be an integer tensor or a sequence of ints") from None
         for s in ids:

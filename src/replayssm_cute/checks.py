@@ -8,7 +8,9 @@ Errors are ``ValueError("decode: argument '<name>': expected ..., got ...")``; a
 
 from __future__ import annotations
 
+import operator
 import os
+from typing import Optional
 
 import torch
 
@@ -78,3 +80,17 @@ def debug_host_checks(device) -> bool:
     """Debug mode's host-side checks run now: debug on and no CUDA graph being captured (they
     read device tensors back, which synchronises)."""
     return debug_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def as_int(name: str, value, minimum: Optional[int] = None) -> int:
+    """A constructor's integer argument: an int (not a bool), at least `minimum`; else a
+    TypeError / ValueError naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v

@@ -144,15 +144,13 @@ def bench_layer(model):
 def compile_pool_kernel(model, window: int, config, drafts: int = 0, batch: int = 1, read_copy=None):
     """Build (or load from the compile cache) the kernel a ``DecodePool(model, batch, window)``
     step launches with ``config``; with ``drafts`` T > 0, that of a ``DecodePool(model, batch,
-    window, drafts=T)`` speculative step: verify (window > 1; ``compile_table_kernels`` builds
-    the plan before it and the commit after it) or the snapshot baseline (window 1); with ``read_copy``, those of a
+    window, drafts=T)`` speculative step: verify (window > 1) or the snapshot baseline (window 1);
+    ``compile_table_kernels`` builds the plan of a ReplaySSM step (and a verify's commit); with ``read_copy``, those of a
     pool with that read copy (``DecodePool(..., read_copy=...)``). Needs no GPU when
     ``CUTE_DSL_ARCH`` is set. `batch` matters only where the API picks a config (None) by it.
     A decode step with a read copy or with ``config`` None is looked up as decode() does, from
     a cache of the pool's layout on the meta device."""
     layer = bench_layer(model)
-    if window > 1:  # the step's plan (and the verify's commit)
-        compile_table_kernels(window, drafts)
     if not drafts and read_copy is None and config is not None:
         return layer.compile(layer.kernel_shape(model, window), config)
     # dims and formats only, nothing allocated

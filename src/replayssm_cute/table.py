@@ -37,7 +37,6 @@ fork_slots`` also copies every layer's checkpoint and ring).
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -80,18 +79,6 @@ def scatter_rows(ids: torch.Tensor, live: torch.Tensor) -> Tuple[torch.Tensor, t
     return torch.where(any_live, ids[row], torch.zeros_like(ids)), row, any_live
 
 
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
-
-
 class SequenceTable:
     """Per-slot ring positions shared by the layer caches of one model (module docstring).
 
@@ -101,9 +88,9 @@ class SequenceTable:
     """
 
     def __init__(self, num_slots: int, window: int, max_draft: int = 0, *, device="cpu", pad_slot_id: int = -1):
-        self.num_slots = _int("num_slots", num_slots, 1)
-        self.window = _int("window", window, 1)
-        self.max_draft = _int("max_draft", max_draft, 0)
+        self.num_slots = checks.as_int("num_slots", num_slots, 1)
+        self.window = checks.as_int("window", window, 1)
+        self.max_draft = checks.as_int("max_draft", max_draft, 0)
         if self.max_draft > _MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {_MAX_DRAFT}], got {self.max_draft}")
         if self.window == 1 and self.max_draft != 0:

@@ -364,8 +364,11 @@ def test_compile_job_reports_what_it_cannot_build(bench, monkeypatch, capsys):
         if read_copy == "fp8":
             raise NotImplementedError("no fp8 kernel yet")
 
+    tables = []
     monkeypatch.setattr(bench, "compile_pool_kernel", fake)
+    monkeypatch.setattr(bench, "compile_table_kernels", lambda *args: tables.append(args))
     assert bench._compile_job((SUPER, 16, "fp32", 0, None, 256)) is True
+    assert tables == [(16,)]  # a decode step's plan
     assert bench._compile_job((SUPER, 16, "nvfp4", 0, None, 0)) is False
     assert capsys.readouterr().out == ""
     assert bench._compile_job((Q122, 16, "fp8", 4, None, 17)) is False

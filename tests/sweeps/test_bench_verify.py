@@ -291,7 +291,7 @@ def test_bad_arguments():
 def test_compile_only_builds_on_cpu(tmp_path):
     """The compile part of the quick run on the CPU (Mamba-2 only, to keep it short): the
     conventional steps, the verify and snapshot-baseline kernels of T = 4 and 8 at two configs
-    each, and the two commits build in worker processes into the disk cache; the memory per slot
+    each, and the sequence-table kernels of both draft caches build in worker processes into the disk cache; the memory per slot
     and the snapshot note are printed."""
     proc = _run(["--compile-only", "--quick", "--layers", "mamba2", "--workers", "2"],
                 CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH="sm_90a", REPLAYSSM_CUTE_CACHE_DIR=str(tmp_path))
@@ -302,4 +302,5 @@ def test_compile_only_builds_on_cpu(tmp_path):
     assert len(list(tmp_path.glob("mamba2_decode-*.o"))) == 2
     assert len(list(tmp_path.glob("mamba2_verify-*.o"))) == 4
     assert len(list(tmp_path.glob("mamba2_snapshot-*.o"))) == 4  # (32, 4) default and (16, 4), T = 4 and 8
-    assert len(list(tmp_path.glob("commit-*.o"))) == 2
+    assert len(list(tmp_path.glob("table_commit-*.o"))) == 2
+    assert len(list(tmp_path.glob("table_plan-*.o"))) == 4  # per T: the decode plan and the verify plan
