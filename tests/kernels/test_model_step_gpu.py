@@ -369,3 +369,50 @@ def test_protocol_refusals_write_nothing(kind, case):
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(before, tensors())):
         assert torch.equal(a, b), f"{case}: tensor {i} written by a refused call"
+
+
+@pytest.mark.parametrize("stack", ["hybrid"])
+def test_lifecycle_inside_one_graph(stack):
+    """reset_slots, a model decode step, fork_slots and materialize_states captured in one CUDA graph
+    and replayed: every layer's tensors and the table equal the same calls on the CPU model (eager),
+    forked slots bit-identical to their sources at the fork, untouched slots bit-identical."""
+    window = 5
+    model, slots, named, idle, idle_before = _setup(stack, window, 0, seed=21)
+    batch = slots.shape[0]
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    reset_ids = slots.clone()
+    reset_ids[PAD_ROW] = -1
+    states = [0.1 * torch.randn((batch,) + c.checkpoint.shape[1:], generator=gen, device=DEV) for c in model.gpu]
+    src, dst = slots[:2].clone(), slots[2:4].clone()
+    dst[0] = -1  # a skipped fork row
+    tokens, outs = model.tokens((batch,), gen), model.outs((batch,))
+    A = [p.get("A") for p in model.params]
+    mats = [None] * len(model.gpu)
+
+    def step():
+        rs.reset_slots(model.table, model.gpu, reset_ids, states)
+        model.decode(reset_ids, tokens, outs)
+        rs.fork_slots(model.table, model.gpu, src, dst)
+        for i, cache in enumerate(model.gpu):
+            mats[i] = rs.materialize_states(cache, reset_ids, A[i])
+
+    step()  # eager once (compiles), then the same in a graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(3):
+        _copy_into(tokens, model.tokens((batch,), gen))
+        graph.replay()
+        cpu_ids, cpu_src, cpu_dst = reset_ids.cpu(), src.cpu(), dst.cpu()
+        rs.reset_slots(model.cpu_table, model.cpu, cpu_ids, [s.cpu() for s in states])
+        ref_outs = model.reference(cpu_ids, tokens)
+        rs.fork_slots(model.cpu_table, model.cpu, cpu_src, cpu_dst)
+        model.check(f"replay {replay}", reset_ids, outs, ref_outs, named)
+        for i, (kind, gpu, cpu) in enumerate(zip(model.kinds, model.gpu, model.cpu)):
+            want = rs.materialize_states(cpu, cpu_ids, model.cpu_params[i].get("A"))
+            assert rel_err(mats[i].cpu(), want, allow_zero=True) < TOL[kind][1], f"replay {replay}: layer {i} states"
+            for name in ("checkpoint",) + RINGS[kind]:
+                t = getattr(gpu, name)
+                assert torch.equal(t[int(dst[1])], t[int(src[1])]), f"replay {replay}: layer {i} {name} not forked"
+    for before, now in zip(idle_before, model.idle_tensors(idle)):
+        assert torch.equal(before, now), "untouched slots must stay bit-identical"
