@@ -371,11 +371,19 @@ def test_protocol_refusals_write_nothing(kind, case):
         assert torch.equal(a, b), f"{case}: tensor {i} written by a refused call"
 
 
+def _graph(fn):
+    """A CUDA graph of ``fn()`` (run eagerly once before, by the caller, to compile)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 @pytest.mark.parametrize("stack", ["hybrid"])
 def test_lifecycle_inside_one_graph(stack):
     """reset_slots, a model decode step, fork_slots and materialize_states captured in one CUDA graph
-    and replayed: every layer's tensors and the table equal the same calls on the CPU model (eager),
-    forked slots bit-identical to their sources at the fork, untouched slots bit-identical."""
+    and replayed: every layer's outputs, states and the table against the same calls on the CPU
+    model, forked slots bit-identical to their sources, untouched slots bit-identical."""
     window = 5
     model, slots, named, idle, idle_before = _setup(stack, window, 0, seed=21)
     batch = slots.shape[0]
@@ -389,27 +397,30 @@ def test_lifecycle_inside_one_graph(stack):
     A = [p.get("A") for p in model.params]
     mats = [None] * len(model.gpu)
 
-    def step():
+    def gpu_step():
         rs.reset_slots(model.table, model.gpu, reset_ids, states)
         model.decode(reset_ids, tokens, outs)
         rs.fork_slots(model.table, model.gpu, src, dst)
         for i, cache in enumerate(model.gpu):
             mats[i] = rs.materialize_states(cache, reset_ids, A[i])
 
-    step()  # eager once (compiles), then the same in a graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    def cpu_step():
+        ids = reset_ids.cpu()
+        rs.reset_slots(model.cpu_table, model.cpu, ids, [s.cpu() for s in states])
+        ref_outs = model.reference(ids, tokens)
+        rs.fork_slots(model.cpu_table, model.cpu, src.cpu(), dst.cpu())
+        return ref_outs
+
+    gpu_step()  # eager once (compiles the kernels), then the same in a graph
+    cpu_step()
+    graph = _graph(gpu_step)
     for replay in range(3):
         _copy_into(tokens, model.tokens((batch,), gen))
         graph.replay()
-        cpu_ids, cpu_src, cpu_dst = reset_ids.cpu(), src.cpu(), dst.cpu()
-        rs.reset_slots(model.cpu_table, model.cpu, cpu_ids, [s.cpu() for s in states])
-        ref_outs = model.reference(cpu_ids, tokens)
-        rs.fork_slots(model.cpu_table, model.cpu, cpu_src, cpu_dst)
+        ref_outs = cpu_step()
         model.check(f"replay {replay}", reset_ids, outs, ref_outs, named)
         for i, (kind, gpu, cpu) in enumerate(zip(model.kinds, model.gpu, model.cpu)):
-            want = rs.materialize_states(cpu, cpu_ids, model.cpu_params[i].get("A"))
+            want = rs.materialize_states(cpu, reset_ids.cpu(), model.cpu_params[i].get("A"))
             assert rel_err(mats[i].cpu(), want, allow_zero=True) < TOL[kind][1], f"replay {replay}: layer {i} states"
             for name in ("checkpoint",) + RINGS[kind]:
                 t = getattr(gpu, name)
