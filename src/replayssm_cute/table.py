@@ -100,15 +100,16 @@ class SequenceTable:
         if pad_slot_id == 0 and self.num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 when pad_slot_id == 0 (slot 0 is reserved), got {num_slots}")
         try:
-            self.device = torch.device(device)
+            device = torch.device(device)
         except (TypeError, RuntimeError) as e:
             raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
         self.pad_slot_id = pad_slot_id
         self.capacity = self.window + self.max_draft
-        zeros = lambda: torch.zeros((self.num_slots,), dtype=torch.int32, device=self.device)  # noqa: E731
+        zeros = lambda: torch.zeros((self.num_slots,), dtype=torch.int32, device=device)  # noqa: E731
         self.committed = zeros()
         self.origin = zeros()
         self.sr_writes = zeros()
+        self.device = self.committed.device  # "cuda" resolved to the current device, as tensors have it
         self.pending: Optional[StepPlan] = None  # a verify plan awaiting its commit
         self.last_plan: Optional[StepPlan] = None
         self._serial = 0
@@ -128,8 +129,8 @@ class SequenceTable:
         """None if a cache with these pool arguments can share this table, else what differs."""
         mine = dict(num_slots=self.num_slots, window=self.window, max_draft=self.max_draft, device=self.device,
                     pad_slot_id=self.pad_slot_id)
-        theirs = dict(num_slots=num_slots, window=window, max_draft=max_draft, device=torch.device(device),
-                      pad_slot_id=pad_slot_id)
+        theirs = dict(num_slots=num_slots, window=window, max_draft=max_draft,
+                      device=torch.empty(0, device=device).device, pad_slot_id=pad_slot_id)
         diff = [f"{k} {theirs[k]} (table: {v})" for k, v in mine.items() if theirs[k] != v]
         return ", ".join(diff) if diff else None
 
@@ -241,6 +242,8 @@ class SequenceTable:
         except ValueError as e:
             raise ValueError(f"{op}: {e}") from None
         b = ids.shape[0]
+        if self.device.type == "cpu" or checks.debug_host_checks(self.device):
+            self._check_distinct(ids, op)
         rows = torch.empty((b, PLAN_COLUMNS), dtype=torch.int32, device=self.device)
         if b > 0 and self.device.type == "cpu":
             self._plan_reference(ids, rows, num_drafts)
@@ -255,13 +258,17 @@ class SequenceTable:
         self.last_plan = plan
         return plan
 
-    def _plan_reference(self, ids: torch.Tensor, rows: torch.Tensor, num_drafts: int) -> None:
-        """kernels/table.py TablePlan on the CPU, after checking that no slot is named twice and
-        every live slot's h is in range (h == window only with draft room: after a speculative
-        commit), before anything is written."""
+    def _check_distinct(self, ids: torch.Tensor, op: str) -> None:
+        """No live slot named twice (a host read: the CPU path, and debug mode on the GPU)."""
         live_ids = [s for s, ok in zip(ids.tolist(), self.live(ids).tolist()) if ok]
         if len(set(live_ids)) != len(live_ids):
-            raise ValueError(f"argument 'slot_ids': expected distinct live slots, got {live_ids[:8]}")
+            raise ValueError(f"{op}: argument 'slot_ids': expected distinct live slots, got {live_ids[:8]}")
+
+    def _plan_reference(self, ids: torch.Tensor, rows: torch.Tensor, num_drafts: int) -> None:
+        """kernels/table.py TablePlan on the CPU, after checking that every live slot's h is in
+        range (h == window only with draft room: after a speculative commit), before anything is
+        written."""
+        live_ids = [s for s, ok in zip(ids.tolist(), self.live(ids).tolist()) if ok]
         top = self.window if self.max_draft > 0 else self.window - 1
         for s in live_ids:
             if not 0 <= int(self.committed[s]) <= top:
