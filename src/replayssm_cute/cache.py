@@ -553,7 +553,7 @@ class _SlotPool:
         "checkpoint_scale" / "checkpoint_state_scale", "read_copy", "read_copy_scale",
         "read_copy_state_scale" where the configuration has them; then, when the cache owns its
         sequence table, the table's "cursor", "origin" and "sr_counter" (a shared table belongs to
-        the model: ``SequenceTable.bytes_per_slot``). (``sr_seed``, 8 bytes, is per cache.)"""
+        the model: three int32 per slot). (``sr_seed``, 8 bytes, is per cache.)"""
         sizes = {}
         for prefix, fmt in zip(_COPIES, (self.checkpoint_format, self.read_copy_format)):
             for suffix, shape, dt in ([] if fmt is None else _copy_layout(fmt, self._state_shape)):
@@ -563,7 +563,9 @@ class _SlotPool:
             itemsize = torch.empty((), dtype=ring_dtype).element_size()
             sizes[name] = self.capacity * math.prod(shape) * itemsize if kept else 0
         if self.owns_table:
-            sizes.update(zip(("cursor", "origin", "sr_counter"), [self.table.bytes_per_slot // 3] * 3))
+            table = self.table
+            sizes.update(cursor=table.committed.element_size(), origin=table.origin.element_size(),
+                         sr_counter=table.sr_writes.element_size())
         sizes["total"] = sum(sizes.values())
         return sizes
 

@@ -47,15 +47,6 @@ def _caches(op: str, table, caches) -> list:
     return caches
 
 
-def _debug_distinct(op: str, table: SequenceTable, *id_tensors: torch.Tensor) -> None:
-    """Debug mode: the live ids of all `id_tensors` together are distinct (synchronises)."""
-    if not checks.debug_host_checks(table.device):
-        return
-    live = [s for ids in id_tensors for s, ok in zip(ids.tolist(), table.live(ids).tolist()) if ok]
-    if len(set(live)) != len(live):
-        raise ValueError(f"{op}: argument 'slot_ids': a live slot is named twice: {live[:8]}")
-
-
 def reset_slots(table: SequenceTable, caches: Sequence, slot_ids: torch.Tensor, states: Sequence) -> None:
     """Hand prefill states over: for each live row i, every layer's checkpoint of slot
     ``slot_ids[i]`` = ``states[layer][i]`` (cast to fp32, then written into every copy as
@@ -76,7 +67,8 @@ def reset_slots(table: SequenceTable, caches: Sequence, slot_ids: torch.Tensor, 
                         f"{getattr(state, 'dtype', type(state).__name__)} {tuple(getattr(state, 'shape', ()))} on "
                         f"{getattr(state, 'device', None)}")
         checks.no_autograd(f"states[{i}]", state)
-    _debug_distinct("reset_slots", table, ids)
+    if checks.debug_host_checks(table.device):
+        table.check_distinct(ids, "reset_slots")
     target, row, any_live = scatter_rows(ids, table.live(ids))
     writes = table.sr_writes[target]
     for cache, state in zip(caches, states):
@@ -98,7 +90,8 @@ def fork_slots(table: SequenceTable, caches: Sequence, src: torch.Tensor, dst: t
     caches = _caches("fork_slots", table, caches)
     src = table.slot_tensor(src, "src")
     dst = table.slot_tensor(dst, "dst", src.shape[0])
-    _debug_distinct("fork_slots", table, src, dst)
+    if checks.debug_host_checks(table.device):  # no slot both a source and a destination, or named twice
+        table.check_distinct(torch.cat([src, dst]), "fork_slots")
     target, row, any_live = scatter_rows(dst, table.live(src) & table.live(dst))
     source = torch.where(any_live, src[row], target)
     for cache in caches:

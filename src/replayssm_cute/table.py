@@ -51,15 +51,14 @@ _MAX_DRAFT = 16
 
 class StepPlan(NamedTuple):
     """A model step's plan (module docstring): its table, slot ids, plan rows (b, 4) int32
-    (slot, h, origin, sr_writes before the step), draft count (0: standard decode, T: a verify
-    step awaiting its commit) and the table's step number when it was made; ``host_ids``: the
-    slot ids read on the host (a CPU table, or debug mode), else None."""
+    (slot, h, origin, sr_writes before the step) and draft count (0: standard decode, T: a verify
+    step awaiting its commit); ``host_ids``: the slot ids read on the host (a CPU table, or debug
+    mode), else None."""
 
     table: "SequenceTable"
     slot_ids: torch.Tensor
     rows: torch.Tensor
     num_drafts: int
-    serial: int
     host_ids: Optional[Tuple[int, ...]]
 
     @property
@@ -111,13 +110,7 @@ class SequenceTable:
         self.sr_writes = zeros()
         self.device = self.committed.device  # "cuda" resolved to the current device, as tensors have it
         self.pending: Optional[StepPlan] = None  # a verify plan awaiting its commit
-        self.last_plan: Optional[StepPlan] = None
-        self._serial = 0
-
-    @property
-    def bytes_per_slot(self) -> int:
-        """The table's memory per slot: three int32 counters."""
-        return 3 * 4
+        self.last_plan: Optional[StepPlan] = None  # a layer call takes only the latest plan
 
     def __repr__(self) -> str:
         return (f"SequenceTable(num_slots={self.num_slots}, window={self.window}, max_draft={self.max_draft}, "
@@ -243,7 +236,7 @@ class SequenceTable:
             raise ValueError(f"{op}: {e}") from None
         b = ids.shape[0]
         if self.device.type == "cpu" or checks.debug_host_checks(self.device):
-            self._check_distinct(ids, op)
+            self.check_distinct(ids, op)
         rows = torch.empty((b, PLAN_COLUMNS), dtype=torch.int32, device=self.device)
         if b > 0 and self.device.type == "cpu":
             self._plan_reference(ids, rows, num_drafts)
@@ -252,14 +245,13 @@ class SequenceTable:
 
             table_launcher("plan", self.window, self.capacity, num_drafts, self.pad_slot_id)(
                 ids, rows, self.committed, self.origin, self.sr_writes)
-        self._serial += 1
         host = tuple(ids.tolist()) if self.device.type == "cpu" or checks.debug_host_checks(self.device) else None
-        plan = StepPlan(self, ids, rows, num_drafts, self._serial, host)
+        plan = StepPlan(self, ids, rows, num_drafts, host)
         self.last_plan = plan
         return plan
 
-    def _check_distinct(self, ids: torch.Tensor, op: str) -> None:
-        """No live slot named twice (a host read: the CPU path, and debug mode on the GPU)."""
+    def check_distinct(self, ids: torch.Tensor, op: str) -> None:
+        """No live slot named twice in ``ids`` (a host read: the CPU path, and debug mode on the GPU)."""
         live_ids = [s for s, ok in zip(ids.tolist(), self.live(ids).tolist()) if ok]
         if len(set(live_ids)) != len(live_ids):
             raise ValueError(f"{op}: argument 'slot_ids': expected distinct live slots, got {live_ids[:8]}")
@@ -268,17 +260,16 @@ class SequenceTable:
         """kernels/table.py TablePlan on the CPU, after checking that every live slot's h is in
         range (h == window only with draft room: after a speculative commit), before anything is
         written."""
-        live_ids = [s for s, ok in zip(ids.tolist(), self.live(ids).tolist()) if ok]
+        slots, live = ids.tolist(), self.live(ids).tolist()
         top = self.window if self.max_draft > 0 else self.window - 1
-        for s in live_ids:
+        for s in (s for s, ok in zip(slots, live) if ok):
             if not 0 <= int(self.committed[s]) <= top:
                 raise RuntimeError(f"cache.cursor[{s}] = {int(self.committed[s])} is outside [0, {top}] (the table's "
                                    f"committed count); the cache is corrupt")
-        for r, s in enumerate(ids.tolist()):
-            live = bool(self.live(torch.tensor(s)))
-            h, o, w = (int(self.committed[s]), int(self.origin[s]), int(self.sr_writes[s])) if live else (0, 0, 0)
+        for r, (s, ok) in enumerate(zip(slots, live)):
+            h, o, w = (int(self.committed[s]), int(self.origin[s]), int(self.sr_writes[s])) if ok else (0, 0, 0)
             rows[r] = torch.tensor([s, h, o, w], dtype=torch.int32)
-            if live and num_drafts == 0:
+            if ok and num_drafts == 0:
                 flush = h + 1 >= self.window
                 self.committed[s] = 0 if flush else h + 1
                 self.sr_writes[s] = w + int(flush)
@@ -286,8 +277,9 @@ class SequenceTable:
     def _commit_reference(self, plan: StepPlan, num_accepted: torch.Tensor) -> None:
         """kernels/table.py TableCommit on the CPU."""
         T = plan.num_drafts
-        for (s, h, o, w), a in zip(plan.rows.tolist(), num_accepted.tolist()):
-            if not bool(self.live(torch.tensor(s))):
+        live = self.live(plan.rows[:, 0]).tolist()
+        for (s, h, o, w), a, ok in zip(plan.rows.tolist(), num_accepted.tolist(), live):
+            if not ok:
                 continue
             if h + T > self.window:
                 self.origin[s] = (o + h) % self.capacity
