@@ -132,6 +132,18 @@ def planned_positions(mPlan, row: Int32, ring: cutlass.Constexpr[bool], stochast
 
 
 @cute.jit
+def clear_stale_record(tRecord: cute.Tensor, position: Int32, origin: Int32, h: Int32, cap: cutlass.Constexpr[int]):
+    """Zero this lane's slice ``tRecord`` of a ring record staged in shared memory when its
+    position holds no committed record. Every position is read (no load waits on the plan); the
+    folds weigh a stale record zero, but zero times a stale NaN (a reused slot, a rejected draft)
+    is still NaN. Written after the copy, so the staging registers are not held for it."""
+    if (position - origin + cap) % cap >= h:
+        rZero = cute.make_rmem_tensor((cute.size(tRecord),), tRecord.element_type)
+        rZero.fill(0.0)
+        cute.autovec_copy(rZero, tRecord)
+
+
+@cute.jit
 def start_tile_loads(
     tma_atom: cute.CopyAtom,
     m_tma: cute.Tensor,

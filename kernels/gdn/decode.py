@@ -18,8 +18,8 @@ that arrive as its TMA stage (cp.async.bulk.tensor, all stages issued at entry);
 `vec` consecutive elements of a state row along K. The dot products of a row (with k and with q)
 and of a record key (with k and q) are reduced several at a time (``warp_reduce_many``). The plan
 row is loaded with the slot id (both indexed by the batch row), then the ring (u and keys at every
-position, where predicated loads would spill at the 4-CTA register cap; g of the live records), put
-in record order with shuffles.
+position, as in the Mamba-2 kernel; g of the live records), put in record order with shuffles;
+stale positions weigh zero where used (``clear_stale_record`` for the staged keys).
 
 Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp16 | fp32):
 
@@ -60,7 +60,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import launch_tiles, planned_positions, pow2_at_least, slot_is_live, warp_reduce_many
+from ..common import (clear_stale_record, launch_tiles, planned_positions, pow2_at_least, slot_is_live,
+                      warp_reduce_many)
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         write_state_scales)
@@ -401,7 +402,9 @@ class GDNDecode:
                         if cutlass.const_expr(pp * W < cap):
                             p_key = pp * W + warp
                             if p_key < cap:
-                                cute.autovec_copy(rKring[pp, None], cute.local_tile(sKeys[p_key, None], (vec,), (lane,)))
+                                tKey = cute.local_tile(sKeys[p_key, None], (vec,), (lane,))
+                                cute.autovec_copy(rKring[pp, None], tKey)
+                                clear_stale_record(tKey, p_key, origin, h, cap)
                                 for e in cutlass.range_constexpr(vec):
                                     rDot[2 * pp] = rDot[2 * pp] + rKring[pp, e].to(Float32) * rK[e]
                                     rDot[2 * pp + 1] = rDot[2 * pp + 1] + rKring[pp, e].to(Float32) * rQ[e]

@@ -55,9 +55,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
-                      padded_tile_layout, planned_positions, round_up, rows_times_columns, slot_is_live, smem_fit,
-                      verify_check)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, clear_stale_record, fold_cols, launch_tiles,
+                      load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up, rows_times_columns,
+                      slot_is_live, smem_fit, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
@@ -267,7 +267,10 @@ class GDNVerify(DraftStepKernel):
                     if p_stage < cap:
                         for e in cutlass.range_constexpr(vec):
                             rKp[e] = mRingK[slot64, p_stage, khead, lane * vec + e]
-                    cute.autovec_copy(rKp, cute.local_tile(sKeys[p_stage, None], (vec,), (lane,)))
+                    tKey = cute.local_tile(sKeys[p_stage, None], (vec,), (lane,))
+                    cute.autovec_copy(rKp, tKey)
+                    if p_stage < cap:
+                        clear_stale_record(tKey, p_stage, origin, h, cap)
             for tt in cutlass.range_constexpr(cdiv(TP, W)):
                 d_stage = tt * W + warp
                 if d_stage < TP:

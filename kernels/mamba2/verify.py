@@ -59,9 +59,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, fold_cols, launch_tiles, load_b_fragment, mma_tf32,
-                      padded_tile_layout, planned_positions, round_up, rows_times_columns, slot_is_live, smem_fit,
-                      softplus, verify_check)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, clear_stale_record, fold_cols, launch_tiles,
+                      load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up, rows_times_columns,
+                      slot_is_live, smem_fit, softplus, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .config import Mamba2Config, Mamba2Shape
@@ -240,7 +240,10 @@ class Mamba2Verify(DraftStepKernel):
                         cute.autovec_copy(cute.local_tile(mRingB[slot64, q_stage, group, None], (vec,), (lane,)), rBq)
                     if q_stage >= cap and q_stage < NQ:
                         cute.autovec_copy(cute.local_tile(mB[row, q_stage - cap, group, None], (vec,), (lane,)), rBq)
-                    cute.autovec_copy(rBq, cute.local_tile(sB[q_stage, None], (vec,), (lane,)))
+                    tB = cute.local_tile(sB[q_stage, None], (vec,), (lane,))
+                    cute.autovec_copy(rBq, tB)
+                    if q_stage < cap:
+                        clear_stale_record(tB, q_stage, origin, h, cap)
             for tt in cutlass.range_constexpr(TPW):
                 t_stage = tt * W + warp
                 if t_stage < TP:

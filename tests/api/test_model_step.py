@@ -211,6 +211,37 @@ def test_fork_copies_every_layer_and_both_copies_continue_alike():
         assert torch.equal(got[[0, 2, 3]], want.to(torch.float32)), kind
 
 
+def test_stale_ring_records_never_reach_outputs_or_states():
+    """Slots reused after a sequence that left NaN records in every ring position: the records
+    not yet rewritten weigh nothing anywhere (outputs, flush folds, verify, materialised states),
+    so every step matches a model whose rings were clean, bit for bit. The kernels' twin checks
+    are the poisoned cases of tests/kernels/test_mamba2_gpu.py and test_spec_gpu.py."""
+    clean, poisoned = Model(shared=True), Model(shared=True)
+    g = gen(7)
+    ids = torch.tensor([0, 2, 5], dtype=torch.int32)
+    states = _states(g, len(ids))
+    for m in (clean, poisoned):
+        m.load(ids, states)
+    for cache in poisoned.caches:
+        for name, t in _slot_tensors(cache).items():
+            if name.startswith("ring_"):
+                t[ids.long()] = float("nan")
+    for step in range(3 * WINDOW):
+        if step % 3 == 2:
+            T = 1 + step % MAX_DRAFT
+            tokens = [_tokens(kind, (len(ids), T), g) for kind, _ in LAYERS]
+            accepted = torch.randint(1, T + 1, (len(ids),), generator=g, dtype=torch.int32)
+            outs = [m.verify_commit(ids, tokens, accepted) for m in (clean, poisoned)]
+        else:
+            tokens = [_tokens(kind, (len(ids),), g) for kind, _ in LAYERS]
+            outs = [m.decode(ids, tokens) for m in (clean, poisoned)]
+        _assert_outs(*outs, f"step {step}")
+        for (kind, _), a, b, p in zip(LAYERS, clean.caches, poisoned.caches, clean.params):
+            A = p["A"] if kind == "mamba2" else None
+            assert torch.equal(rs.materialize_states(a, ids, A), rs.materialize_states(b, ids, A)), \
+                f"step {step}: {kind} materialized state"
+
+
 def test_reset_and_fork_without_live_rows_write_nothing():
     m = Model(True)
     m.load(_ids([1, 2]), _states(gen(6), 2))

@@ -165,6 +165,7 @@ def test_decode_fp32_scaled(shape, window):
     _run_case(shape, 64, torch.float32, window, seed=window, scale=0.05)
 
 
+@pytest.mark.xdist_group("gpu_memory")
 def test_decode_batch_512_pad_zero():
     _run_case("qwen3.5-4b", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)
 

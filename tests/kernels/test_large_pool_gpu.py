@@ -16,7 +16,7 @@ from replayssm_cute.kernels.mamba2.config import Mamba2Config
 from replayssm_cute.models import ModelSpec
 from replayssm_cute.perf import bench_layer
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_memory")]
 
 # 65536 fp32 state elements per slot, 128 columns: a two-row box is one 256-element span.
 MAMBA2 = ModelSpec("pool-mamba2", "mamba2", 8, 64, 128, 1, 1)

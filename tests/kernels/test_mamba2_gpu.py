@@ -40,7 +40,7 @@ def _inputs(b, H, P, N, G, dtype, device, gen, with_z):
     return x, dt, B, C, z
 
 
-def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=-1, seed=0):
+def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=-1, seed=0, poison_ring=False):
     H, P, N, G = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -52,6 +52,11 @@ def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=
     slots = (torch.randperm(batch + extra, generator=gen, device=dev)[:batch] + first).to(torch.int32)
     init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
+    if poison_ring:
+        # The slots' previous sequence left NaN records behind: positions not yet rewritten must
+        # never reach an output or a fold (a zero weight times NaN is still NaN).
+        for t in (cache.ring_x, cache.ring_B, cache.ring_dt):
+            t[slots.long()] = float("nan")
     ref_state = init.double().clone()
     A, dt_bias, D = _params(H, P, N, dev, gen)
     idle = sorted(set(range(first, num_slots)) - set(slots.tolist()))
@@ -125,6 +130,13 @@ def test_decode_fp32_with_z(shape, window):
     _run_case(shape, 64, torch.float32, window, with_z=True, seed=window)
 
 
+@pytest.mark.parametrize("shape", ["super", "odd"])
+@pytest.mark.parametrize("window", [5, 16])
+def test_stale_ring_records_never_reach_outputs_or_folds(shape, window):
+    _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
+
+
+@pytest.mark.xdist_group("gpu_memory")
 def test_decode_batch_512_pad_zero():
     _run_case("super", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)
 
@@ -140,6 +152,11 @@ def test_cuda_graph_capture_replay(window):
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
     init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
+    if poison_ring:
+        # The slots' previous sequence left NaN records behind: positions not yet rewritten must
+        # never reach an output or a fold (a zero weight times NaN is still NaN).
+        for t in (cache.ring_x, cache.ring_B, cache.ring_dt):
+            t[slots.long()] = float("nan")
     ref_state = init.double().clone()
     A, dt_bias, D = _params(H, P, N, dev, gen)
     # Stagger rows before capture.

@@ -57,10 +57,11 @@ def _capture(step, slot_ids):
     return graph
 
 
-@pytest.mark.parametrize("shape,window,T,batch", [
-    ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("super", 16, 8, 64), ("super", 16, 2, 37), ("odd", 5, 1, 9),
+@pytest.mark.parametrize("shape,window,T,batch,poison", [
+    ("odd", 8, 4, 24, False), ("odd", 8, 8, 24, False), ("super", 16, 8, 64, False), ("super", 16, 2, 37, False),
+    ("odd", 5, 1, 9, False), ("odd", 8, 4, 24, True),
 ])
-def test_verify_commit_random_acceptance(shape, window, T, batch):
+def test_verify_commit_random_acceptance(shape, window, T, batch, poison):
     H, P, N, G = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(window * 100 + T)
@@ -71,6 +72,9 @@ def test_verify_commit_random_acceptance(shape, window, T, batch):
     slots = torch.randperm(batch + extra, generator=gen, device=dev)[:batch].to(torch.int32)
     init = torch.randn(batch, H, P, N, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
+    if poison:  # NaN records of the slots' previous sequence: positions not yet rewritten are never read
+        for t in (cache.ring_x, cache.ring_B, cache.ring_dt):
+            t[slots.long()] = float("nan")
     ref_state = init.double().clone()
     A, dt_bias, D = _params(H, dev, gen)
     idle = sorted(set(range(batch + extra)) - set(slots.tolist()))
@@ -190,15 +194,15 @@ def _gdn_fold_of_stored(cache, slot_ids, h, ckpt):
     rows = slot_ids.long()[:, None]
     stored = [cache.ring_u[rows, idx].double(), cache.ring_k[rows, idx].double(), cache.ring_g[rows, idx].double()]
     mask = torch.arange(window, device=dev)[None, :] < h.long()[:, None]  # committed records only
-    stored[0] = stored[0] * mask[:, :, None, None]
-    stored[2] = stored[2] * mask[:, :, None]
+    stored = [torch.where(mask.view(mask.shape + (1,) * (t.dim() - 2)), t, 0.0) for t in stored]  # stale may be NaN
     return reference.gdn_replay(ckpt, *stored)
 
 
-@pytest.mark.parametrize("shape,window,T,batch", [
-    ("odd", 8, 4, 24), ("odd", 8, 8, 24), ("qwen3.5-122b", 16, 4, 32), ("odd", 5, 1, 9),
+@pytest.mark.parametrize("shape,window,T,batch,poison", [
+    ("odd", 8, 4, 24, False), ("odd", 8, 8, 24, False), ("qwen3.5-122b", 16, 4, 32, False), ("odd", 5, 1, 9, False),
+    ("odd", 8, 4, 24, True),
 ])
-def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
+def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison):
     """GDN verify (drafts' corrections by the triangular solve) + commit over 200 steps against the
     float64 recurrence on the accepted stream; checkpoints after flushes against the fold of
     the stored records; standard decode steps interleaved."""
@@ -212,6 +216,9 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch):
     slots = torch.randperm(batch + extra, generator=gen, device=dev)[:batch].to(torch.int32)
     init = torch.randn(batch, HV, V, K, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
+    if poison:  # NaN records of the slots' previous sequence: positions not yet rewritten are never read
+        for t in (cache.ring_u, cache.ring_k, cache.ring_g):
+            t[slots.long()] = float("nan")
     ref_state = init.double().clone()
     A_log, dt_bias = _gdn_params(HV, dev, gen)
     idle = sorted(set(range(batch + extra)) - set(slots.tolist()))
