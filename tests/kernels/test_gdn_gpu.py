@@ -65,7 +65,8 @@ def _cache_tensors(cache):
     return ts
 
 
-def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, scale=None, config=None):
+def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, scale=None, config=None,
+              poison_ring=False):
     H, HV, K, V = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -77,6 +78,11 @@ def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, sc
     slots = (torch.randperm(batch + extra, generator=gen, device=dev)[:batch] + first).to(torch.int32)
     init = torch.randn(batch, HV, V, K, generator=gen, device=dev) * 0.1
     cache.load_prefill(slots, init)
+    if poison_ring:
+        # The slots' previous sequence left NaN records behind: positions not yet rewritten must
+        # never reach an output or a fold (a zero weight times NaN is still NaN).
+        for t in (cache.ring_u, cache.ring_k, cache.ring_g):
+            t[slots.long()] = float("nan")
     ref_state = init.double().clone()
     A_log, dt_bias = _params(HV, dev, gen)
     idle = sorted(set(range(first, num_slots)) - set(slots.tolist()))
@@ -163,6 +169,12 @@ def test_decode_bf16(shape, window, batch):
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_decode_fp32_scaled(shape, window):
     _run_case(shape, 64, torch.float32, window, seed=window, scale=0.05)
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-122b", "odd"])
+@pytest.mark.parametrize("window", [5, 16])
+def test_stale_ring_records_never_reach_outputs_or_folds(shape, window):
+    _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
 @pytest.mark.xdist_group("gpu_memory")
