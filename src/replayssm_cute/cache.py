@@ -115,7 +115,6 @@ __all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS"
            "READ_COPY_FORMATS"]
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_DRAFT = 16
 
 CHECKPOINT_FORMATS = ("fp32", "fp16", "fp8", "nvfp4")  # nvfp4: shared or window == 1 only
 READ_COPY_FORMATS = (None, "fp16", "fp8", "nvfp4")
@@ -210,34 +209,16 @@ class _SlotPool:
     def _setup_pool(self, num_slots, dims: Sequence, window, max_draft, dtype, device, pad_slot_id,
                     checkpoint: Optional[torch.Tensor], checkpoint_format="fp32", read_copy=None,
                     shared=False, sr_seed=None, table: Optional[SequenceTable] = None) -> None:
-        num_slots = checks.as_int("num_slots", num_slots, 1)
+        num_slots, window, max_draft, pad_slot_id, device = checks.pool_arguments(
+            num_slots, window, max_draft, pad_slot_id, device)
         dims = {name: checks.as_int(name, value, 1) for name, value in zip(self._DIMS, dims)}
-        window = checks.as_int("window", window, 1)
-        max_draft = checks.as_int("max_draft", max_draft, 0)
-        pad_slot_id = checks.as_int("pad_slot_id", pad_slot_id)
         self._check_dims(**dims)
-        if max_draft > _MAX_DRAFT:
-            raise ValueError(f"max_draft must be in [0, {_MAX_DRAFT}], got {max_draft}")
-        if window == 1 and max_draft != 0:
-            raise ValueError(
-                f"max_draft must be 0 when window == 1 (a conventional cache has no ring), got {max_draft}"
-            )
         self._check_precision(checkpoint_format, read_copy, shared, sr_seed, window, dims)
         self._check_options(window)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if dtype not in _ACT_DTYPES:
             raise ValueError(f"dtype must be one of torch.bfloat16, torch.float16, torch.float32, got {dtype}")
-        if pad_slot_id not in (-1, 0):
-            raise ValueError(f"pad_slot_id must be -1 or 0, got {pad_slot_id}")
-        if pad_slot_id == 0 and num_slots < 2:
-            raise ValueError(
-                f"num_slots must be >= 2 when pad_slot_id == 0 (slot 0 is reserved), got {num_slots}"
-            )
-        try:
-            device = torch.device(device)
-        except (TypeError, RuntimeError) as e:
-            raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
         if checkpoint is not None:  # from_state: the engine's fp32 pool is the checkpoint
             device = checkpoint.device
         if table is not None:

@@ -94,3 +94,28 @@ def as_int(name: str, value, minimum: Optional[int] = None) -> int:
     if minimum is not None and v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
     return v
+
+
+MAX_DRAFT = 16  # the verify kernels' limit on T, so on a pool's draft room
+
+
+def pool_arguments(num_slots, window, max_draft, pad_slot_id, device):
+    """The pool arguments a cache and its sequence table share, checked (errors name the
+    argument) and normalised: (num_slots, window, max_draft, pad_slot_id, torch.device)."""
+    num_slots = as_int("num_slots", num_slots, 1)
+    window = as_int("window", window, 1)
+    max_draft = as_int("max_draft", max_draft, 0)
+    pad_slot_id = as_int("pad_slot_id", pad_slot_id)
+    if max_draft > MAX_DRAFT:
+        raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {max_draft}")
+    if window == 1 and max_draft != 0:
+        raise ValueError(f"max_draft must be 0 when window == 1 (a conventional pool has no ring), got {max_draft}")
+    if pad_slot_id not in (-1, 0):
+        raise ValueError(f"pad_slot_id must be -1 or 0, got {pad_slot_id}")
+    if pad_slot_id == 0 and num_slots < 2:
+        raise ValueError(f"num_slots must be >= 2 when pad_slot_id == 0 (slot 0 is reserved), got {num_slots}")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
+    return num_slots, window, max_draft, pad_slot_id, device

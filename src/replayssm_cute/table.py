@@ -46,7 +46,6 @@ from . import checks
 __all__ = ["SequenceTable", "StepPlan"]
 
 PLAN_COLUMNS = 4  # slot, h, origin, sr_writes
-_MAX_DRAFT = 16
 
 
 class StepPlan(NamedTuple):
@@ -87,22 +86,8 @@ class SequenceTable:
     """
 
     def __init__(self, num_slots: int, window: int, max_draft: int = 0, *, device="cpu", pad_slot_id: int = -1):
-        self.num_slots = checks.as_int("num_slots", num_slots, 1)
-        self.window = checks.as_int("window", window, 1)
-        self.max_draft = checks.as_int("max_draft", max_draft, 0)
-        if self.max_draft > _MAX_DRAFT:
-            raise ValueError(f"max_draft must be in [0, {_MAX_DRAFT}], got {self.max_draft}")
-        if self.window == 1 and self.max_draft != 0:
-            raise ValueError(f"max_draft must be 0 when window == 1 (no ring), got {self.max_draft}")
-        if isinstance(pad_slot_id, bool) or pad_slot_id not in (-1, 0):
-            raise ValueError(f"pad_slot_id must be -1 or 0, got {pad_slot_id!r}")
-        if pad_slot_id == 0 and self.num_slots < 2:
-            raise ValueError(f"num_slots must be >= 2 when pad_slot_id == 0 (slot 0 is reserved), got {num_slots}")
-        try:
-            device = torch.device(device)
-        except (TypeError, RuntimeError) as e:
-            raise TypeError(f"device must be a torch.device or device string, got {device!r}") from e
-        self.pad_slot_id = pad_slot_id
+        self.num_slots, self.window, self.max_draft, self.pad_slot_id, device = checks.pool_arguments(
+            num_slots, window, max_draft, pad_slot_id, device)
         self.capacity = self.window + self.max_draft
         zeros = lambda: torch.zeros((self.num_slots,), dtype=torch.int32, device=device)  # noqa: E731
         self.committed = zeros()
@@ -235,7 +220,8 @@ class SequenceTable:
         except ValueError as e:
             raise ValueError(f"{op}: {e}") from None
         b = ids.shape[0]
-        if self.device.type == "cpu" or checks.debug_host_checks(self.device):
+        host_read = self.device.type == "cpu" or checks.debug_host_checks(self.device)
+        if host_read:
             self.check_distinct(ids, op)
         rows = torch.empty((b, PLAN_COLUMNS), dtype=torch.int32, device=self.device)
         if b > 0 and self.device.type == "cpu":
@@ -245,8 +231,7 @@ class SequenceTable:
 
             table_launcher("plan", self.window, self.capacity, num_drafts, self.pad_slot_id)(
                 ids, rows, self.committed, self.origin, self.sr_writes)
-        host = tuple(ids.tolist()) if self.device.type == "cpu" or checks.debug_host_checks(self.device) else None
-        plan = StepPlan(self, ids, rows, num_drafts, host)
+        plan = StepPlan(self, ids, rows, num_drafts, tuple(ids.tolist()) if host_read else None)
         self.last_plan = plan
         return plan
 
