@@ -397,7 +397,10 @@ class OutputCheck:
 
         self.target = target
         self.pool = target.pool(batch, rotation_bytes=0)
-        self.start = {name: t.clone() for name, t in vars(self.pool.cache).items() if isinstance(t, torch.Tensor)}
+        # the cache's tensors and its sequence table's (a verify cycle moves the origins)
+        owners = (self.pool.cache, self.pool.cache.table)
+        self.start = [(owner, name, t.clone()) for owner in owners
+                      for name, t in vars(owner).items() if isinstance(t, torch.Tensor)]
 
     def run(self, config) -> list:
         import torch
@@ -406,8 +409,8 @@ class OutputCheck:
         from .perf import cursor_cycle
 
         t, pool, cache = self.target, self.pool, self.pool.cache
-        for name, value in self.start.items():
-            getattr(cache, name).copy_(value)
+        for owner, name, value in self.start:
+            getattr(owner, name).copy_(value)
         ids = pool.sets[0]
         outs = []
         if t.mode == "verify":

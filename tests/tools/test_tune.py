@@ -786,3 +786,22 @@ def test_restarts_are_bounded_and_other_errors_raised(monkeypatch, capsys):
     assert results == [] and done == 8
     with pytest.raises(RuntimeError, match="fake: timing failed in its process:(.|\n)*ValueError: a bug"):
         _tune_target({WARPS1: "bug"}, [1])
+
+
+@pytest.mark.parametrize("layer, mode, num_drafts", [("mamba2", "standard", 0), ("mamba2", "verify", 4),
+                                                     ("gdn", "standard", 0), ("gdn", "verify", 4)])
+def test_output_check_runs_every_config_from_the_same_state(monkeypatch, layer, mode, num_drafts):
+    """Two runs of one config give identical outputs: each run restores the cache and its sequence
+    table (committed counts, origins, SR counters), so the check compares configs, not starts."""
+    from replayssm_cute.perf import DecodePool
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    model = ModelSpec("tiny", layer, 2, 16, 32, 1, 1) if layer == "mamba2" else ModelSpec("tiny", layer, 2, 16, 16, 1, 1)
+    target = tune.TuneTarget(model, mode, 8, num_drafts, "bf16")
+    monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
+        self.model, batch, self.window, drafts=self.num_drafts, device="cpu", rotation_bytes=0,
+        dtype=self.torch_dtype()))
+    check = tune.OutputCheck(target, 3)
+    first, second = check.run(None), check.run(None)
+    assert tune.mismatch(second, first) is None
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
