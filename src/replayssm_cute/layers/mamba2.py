@@ -8,6 +8,7 @@ their checks, the CPU reference of each op (replayssm_cute.reference), and each 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -63,6 +64,13 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
 def _decode_default(shape, bucket: int):
     from ..kernels.mamba2.config import default_mamba2_config
 
+    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") == "1":  # issue 16 work in progress
+        from ..kernels.mamba2.pipelined import pipelined_config
+
+        config = pipelined_config(shape, torch.cuda.get_device_properties(0).multi_processor_count
+                                  if torch.cuda.is_available() else 132)
+        if config is not None:
+            return config
     return default_mamba2_config(shape.headdim, bucket, shape.window, whole_head(shape), shape)
 
 
@@ -71,6 +79,10 @@ def _decode_check(shape, config, num_drafts: int):
 
 
 def _decode_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.mamba2.pipelined import Mamba2PipeConfig, compile_pipelined_decode
+
+    if isinstance(config, Mamba2PipeConfig):
+        return compile_pipelined_decode(shape, config, options)
     from ..kernels.mamba2.decode import compile_decode
 
     return compile_decode(shape, config, options)

@@ -1,0 +1,476 @@
+"""Mamba-2 decode step on a persistent, warp-specialised pipeline (fp32 checkpoint).
+
+Same step as ``kernels/mamba2/decode.py`` (ReplaySSM standard decoding; window 1 is the
+conventional step), with a different residency: the grid is a fixed number of CTAs that loop over
+work items, one item per (batch row, head), items ``bid, bid + grid, ...``. Warp 0 of a CTA is the
+producer, the other warps consume:
+
+- the producer fills a ring of ``stages`` shared-memory stages, each holding everything one item
+  needs: the head's (P, N) checkpoint tile (one TMA box), the ring records of the head (x) and of
+  its group (B, dt) at every position, this token's x, z, B, C (cp.async, 16 bytes a lane) and
+  the item's scalars (slot, h, origin, dt, A, D, dt_bias: loads it stores into the stage). One
+  mbarrier per stage counts its bytes (TMA) and the producer lanes' cp.async arrivals;
+- the consumers wait for a stage, compute the item from shared memory only (no global load in
+  their path), write the output, the ring append or the folded checkpoint rows, and release the
+  stage to the producer (one arrival per consumer warp).
+
+So the bytes in flight per SM come from the stages (``stages - 1`` items ahead of the consumers),
+not from how long a CTA lives. Consumer warp c owns state rows [c RW, (c + 1) RW) (RW <= 16, one
+lane per row for the per-row terms); each lane holds N / 32 consecutive columns of a row.
+
+Tensor contract: as ``kernels/mamba2/decode.py`` (same arguments, same order), restricted to an
+fp32 checkpoint without read copy (``Mamba2PipeConfig.check``): the copy arguments after mPlan
+are None.
+
+| name        | shape            | dtype   | access | meaning                                        |
+|-------------|------------------|---------|--------|------------------------------------------------|
+| checkpoint  | (S, H, P, N)     | fp32    | R / W on flush | S_ckpt (the conventional state when L = 1) |
+| x, z        | (b, H, P)        | act     | R      | value input, gate (z optional)                 |
+| dt          | (b, H)           | act/fp32| R      | raw dt                                         |
+| A, D, dt_bias | (H,)           | fp32    | R      | decay rate, skip (optional), dt bias (optional)|
+| B, C        | (b, G, N)        | act     | R      | key / query of head h's group h // (H // G)    |
+| slot_ids    | (b,)             | int32   | R      | pool slot per row; pad / out-of-range rows skip|
+| out         | (b, H, P)        | act     | W      | y (pad rows left untouched)                    |
+| ring_x / ring_B / ring_dt | (S, cap, H, P) / (S, cap, G, N) / (S, cap, H) | act / act / fp32 | R / W | records (L > 1) |
+| plan        | (b, 4)           | int32   | R      | (slot, h, origin, sr_writes) (L > 1)           |
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, softplus, warp_reduce_many, warp_sum
+from ..config_space import launch_check
+from .config import Mamba2Shape
+
+MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
+META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+
+
+@dataclass(frozen=True)
+class Mamba2PipeConfig:
+    """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
+    ``ctas`` CTAs in the persistent grid (the SM count, or a multiple of it); consumer warps
+    follow from headdim (RW = P / warps rows each, at most 16)."""
+
+    stages: int = 4
+    ctas: int = 132
+
+    def consumer_warps(self, shape: Mamba2Shape) -> int:
+        return next(w for w in range(1, shape.headdim + 1)
+                    if shape.headdim % w == 0 and shape.headdim // w <= MAX_ROWS_PER_WARP)
+
+    def stage_bytes(self, shape: Mamba2Shape) -> int:
+        P, N, cap = shape.headdim, shape.dstate, shape.capacity
+        act = shape.act_dtype.width // 8
+        ring = (cap * P + cap * N) * act if shape.window > 1 else 0
+        return P * N * 4 + ring + (2 * P + 2 * N) * act + 32 * 4 + 2 * META * 4 + 128
+
+    def smem_bytes(self, shape: Mamba2Shape) -> int:
+        return self.stages * self.stage_bytes(shape) + 16 * self.stages + 512
+
+    def key(self):
+        return ("pipe", self.stages, self.ctas)
+
+    def check(self, shape: Mamba2Shape) -> Optional[str]:
+        reason = launch_check(16, 1, 0)
+        if reason is not None:
+            return reason
+        P, N = shape.headdim, shape.dstate
+        if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
+            return "the pipelined decode takes an fp32 checkpoint without read copy"
+        if N % 32 or N > 256:
+            return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
+        if P > 256 or P % 8:
+            return f"headdim {P}: the kernel needs a multiple of 8 up to 256 (one TMA box per head)"
+        if shape.capacity > 32:
+            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if not 2 <= self.stages <= 8:
+            return f"stages {self.stages}: expected 2..8"
+        if not 1 <= self.ctas <= 4096:
+            return f"ctas {self.ctas}: expected 1..4096"
+        if self.smem_bytes(shape) > SMEM_PER_CTA:
+            return f"{self.stages} stages need {self.smem_bytes(shape)} bytes of shared memory (at most {SMEM_PER_CTA})"
+        return None
+
+
+@cute.jit
+def load_slice(sRow: cute.Tensor, lane: Int32, vec: cutlass.Constexpr[int]) -> cute.Tensor:
+    """This lane's ``vec`` consecutive values of a shared-memory row (vector loads), as fp32."""
+    rRaw = cute.make_rmem_tensor((vec,), sRow.element_type)
+    cute.autovec_copy(cute.local_tile(sRow, (vec,), (lane,)), rRaw)
+    rOut = cute.make_rmem_tensor((vec,), Float32)
+    rOut.store(rRaw.load().to(Float32))
+    return rOut
+
+
+class Mamba2PipelinedDecode:
+    """One decode step of a Mamba-2 layer over a pool of slots (see module docstring)."""
+
+    def __init__(self, shape: Mamba2Shape, config: Mamba2PipeConfig):
+        reason = config.check(shape)
+        if reason is not None:
+            raise ValueError(f"Mamba2PipeConfig {config} invalid for {shape}: {reason}")
+        self.shape = shape
+        self.config = config
+        self.consumer_warps = config.consumer_warps(shape)
+
+    @cute.jit
+    def __call__(
+        self,
+        mCheckpoint: cute.Tensor,
+        mX: cute.Tensor,
+        mDt: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mD: Optional[cute.Tensor],
+        mZ: Optional[cute.Tensor],
+        mDtBias: Optional[cute.Tensor],
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingX: Optional[cute.Tensor],
+        mRingB: Optional[cute.Tensor],
+        mRingDt: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        stream,
+    ):
+        s, c = self.shape, self.config
+        H, P, N = s.nheads, s.headdim, s.dstate
+        tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), P, N)
+        self.kernel(
+            tma_state, mStateTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
+            mRingX, mRingB, mRingDt, mPlan,
+        ).launch(
+            grid=[c.ctas, 1, 1],
+            block=[32 * (1 + self.consumer_warps), 1, 1],
+            smem=c.smem_bytes(s),
+            stream=stream,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_state: cute.CopyAtom,
+        mStateTma: cute.Tensor,
+        mCheckpoint: cute.Tensor,
+        mX: cute.Tensor,
+        mDt: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mD: Optional[cute.Tensor],
+        mZ: Optional[cute.Tensor],
+        mDtBias: Optional[cute.Tensor],
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingX: Optional[cute.Tensor],
+        mRingB: Optional[cute.Tensor],
+        mRingDt: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
+    ):
+        s, c = self.shape, self.config
+        H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
+        ST = c.stages
+        CW = self.consumer_warps
+        RW = P // CW
+        vec = N // 32
+        heads_per_group = H // G
+        act = s.act_dtype
+        ring = L > 1
+        per16 = 128 // act.width  # act elements per 16-byte cp.async
+        state_bytes = P * N * 4
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        num_slots = mCheckpoint.shape[0]
+        total = mX.shape[0] * H
+
+        # Shared memory, declared once: per stage the item's state tile, ring records, this
+        # token's activations and scalars; a full and an empty mbarrier per stage.
+        smem = SmemAllocator()
+        sState = smem.allocate_tensor(Float32, cute.make_layout((P, N, ST), stride=(N, 1, P * N)), byte_alignment=128)
+        sRingX = None
+        sRingB = None
+        if cutlass.const_expr(ring):
+            sRingX = smem.allocate_tensor(act, cute.make_layout((cap, P, ST), stride=(P, 1, cap * P)), byte_alignment=16)
+            sRingB = smem.allocate_tensor(act, cute.make_layout((cap, N, ST), stride=(N, 1, cap * N)), byte_alignment=16)
+        sX = smem.allocate_tensor(act, cute.make_layout((P, ST), stride=(1, P)), byte_alignment=16)
+        sZ = smem.allocate_tensor(act, cute.make_layout((P, ST), stride=(1, P)), byte_alignment=16)
+        sB = smem.allocate_tensor(act, cute.make_layout((N, ST), stride=(1, N)), byte_alignment=16)
+        sC = smem.allocate_tensor(act, cute.make_layout((N, ST), stride=(1, N)), byte_alignment=16)
+        sRingDt = smem.allocate_tensor(Float32, cute.make_layout((32, ST), stride=(1, 32)), byte_alignment=16)
+        sMetaI = smem.allocate_tensor(Int32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
+        sMetaF = smem.allocate_tensor(Float32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
+        full = smem.allocate_array(Int64, ST, byte_alignment=8)
+        empty = smem.allocate_array(Int64, ST, byte_alignment=8)
+
+        if tidx == 0:
+            for st in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(full + st, 33)  # 32 producer lanes' cp.async + the TMA arrival
+                cute.arch.mbarrier_init(empty + st, CW)  # one arrival per consumer warp
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            # ------------------------------------------------------------ producer
+            g_boxes = cute.local_tile(mStateTma, (P, N), (None, 0))
+            t_s, t_g = cpasync.tma_partition(
+                tma_state, 0, cute.make_layout(1),
+                cute.group_modes(sState, 0, 2), cute.group_modes(g_boxes, 0, 2),
+            )
+            copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
+            copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            it = Int32(0)
+            for item in cutlass.range(bid, total, grid, unroll=1):
+                row = item // H
+                head = item % H
+                group = head // heads_per_group
+                stage = it % ST
+                phase = (it // ST) % 2
+                # The item's scalars: independent loads, issued before the wait for the stage.
+                slot = mSlot[row]
+                h = Int32(0)
+                origin = Int32(0)
+                if cutlass.const_expr(ring):
+                    h = mPlan[row, 1]
+                    origin = mPlan[row, 2]
+                dt_raw = mDt[row, head].to(Float32)
+                A = mA[head]
+                D = Float32(0.0)
+                if cutlass.const_expr(s.has_D):
+                    D = mD[head]
+                bias = Float32(0.0)
+                if cutlass.const_expr(s.has_dt_bias):
+                    bias = mDtBias[head]
+                live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+                if live:
+                    slot64 = Int64(slot)
+                    # this token's activations, 16 bytes a lane
+                    for k in cutlass.range_constexpr((P // per16 + 31) // 32):
+                        chunk = k * 32 + lane
+                        if chunk < P // per16:
+                            cute.copy(copy16, cute.local_tile(mX[row, head, None], (per16,), (chunk,)),
+                                      cute.local_tile(sX[None, stage], (per16,), (chunk,)))
+                            if cutlass.const_expr(s.has_z):
+                                cute.copy(copy16, cute.local_tile(mZ[row, head, None], (per16,), (chunk,)),
+                                          cute.local_tile(sZ[None, stage], (per16,), (chunk,)))
+                    for k in cutlass.range_constexpr((N // per16 + 31) // 32):
+                        chunk = k * 32 + lane
+                        if chunk < N // per16:
+                            cute.copy(copy16, cute.local_tile(mB[row, group, None], (per16,), (chunk,)),
+                                      cute.local_tile(sB[None, stage], (per16,), (chunk,)))
+                            cute.copy(copy16, cute.local_tile(mC[row, group, None], (per16,), (chunk,)),
+                                      cute.local_tile(sC[None, stage], (per16,), (chunk,)))
+                    if cutlass.const_expr(ring):
+                        # every ring position (no load waits on h); stale ones weigh zero in use
+                        x_chunks = cap * (P // per16)
+                        for k in cutlass.range_constexpr((x_chunks + 31) // 32):
+                            chunk = k * 32 + lane
+                            if chunk < x_chunks:
+                                pos = chunk // (P // per16)
+                                part = chunk % (P // per16)
+                                cute.copy(copy16, cute.local_tile(mRingX[slot64, pos, head, None], (per16,), (part,)),
+                                          cute.local_tile(sRingX[pos, None, stage], (per16,), (part,)))
+                        b_chunks = cap * (N // per16)
+                        for k in cutlass.range_constexpr((b_chunks + 31) // 32):
+                            chunk = k * 32 + lane
+                            if chunk < b_chunks:
+                                pos = chunk // (N // per16)
+                                part = chunk % (N // per16)
+                                cute.copy(copy16, cute.local_tile(mRingB[slot64, pos, group, None], (per16,), (part,)),
+                                          cute.local_tile(sRingB[pos, None, stage], (per16,), (part,)))
+                        if lane < cap:
+                            cute.copy(copy4, cute.local_tile(mRingDt[slot64, None, head], (1,), (lane,)),
+                                      cute.local_tile(sRingDt[None, stage], (1,), (lane,)))
+                if lane == 0:
+                    sMetaI[0, stage] = slot
+                    sMetaI[1, stage] = h
+                    sMetaI[2, stage] = origin
+                    sMetaF[0, stage] = dt_raw
+                    sMetaF[1, stage] = A
+                    sMetaF[2, stage] = D
+                    sMetaF[3, stage] = bias
+                    # the release of this arrival publishes the scalars above
+                    if live:
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
+                        cute.copy(tma_state, t_g[None, slot * H + head], t_s[None, stage], tma_bar_ptr=full + stage)
+                    else:
+                        cute.arch.mbarrier_arrive(full + stage)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                it = it + 1
+        else:
+            # ------------------------------------------------------------ consumers
+            cw = warp - 1
+            p_warp = cw * RW
+            lr = lane % RW
+            n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
+            row_shift = 5 - (n_rows.bit_length() - 1)
+            n_pos = pow2_at_least(cap)
+            pos_shift = 5 - (n_pos.bit_length() - 1)
+            it = Int32(0)
+            for item in cutlass.range(bid, total, grid, unroll=1):
+                row = item // H
+                head = item % H
+                group = head // heads_per_group
+                stage = it % ST
+                phase = (it // ST) % 2
+                cute.arch.mbarrier_wait(full + stage, phase)
+                slot = sMetaI[0, stage]
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    slot64 = Int64(slot)
+                    h = sMetaI[1, stage]
+                    origin = sMetaI[2, stage]
+                    A = sMetaF[1, stage]
+                    dt_cur = sMetaF[0, stage]
+                    if cutlass.const_expr(s.has_dt_bias):
+                        dt_cur = dt_cur + sMetaF[3, stage]
+                    if cutlass.const_expr(s.dt_softplus):
+                        dt_cur = softplus(dt_cur)
+                    flush = h + 1 >= L  # h == L only after a speculative commit
+                    pos_h = (origin + h) % cap
+
+                    x_raw = sX[p_warp + lr, stage]
+                    x_cur = x_raw.to(Float32)
+                    rC = load_slice(sC[None, stage], lane, vec)
+                    rBa = load_slice(sB[None, stage], lane, vec)
+
+                    # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
+                    dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
+                    if cutlass.const_expr(ring):
+                        dt_rec = sRingDt[(origin + lane) % cap, stage]
+                        if lane < h:
+                            dt_j = dt_rec
+                    tail = dt_j
+                    for k in cutlass.range_constexpr(5):
+                        other = cute.arch.shuffle_sync_down(tail, 1 << k)
+                        if lane + (1 << k) < 32:
+                            tail = tail + other
+                    w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
+                    gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+                    ring_term = Float32(0.0)
+                    y_row = Float32(0.0)  # lane r: S[p_r] . C of the state the output reads
+                    if flush:
+                        # S = gamma S + dt x B (this token) + sum over live positions of
+                        # w_j x_j B_j, for the warp's rows held in registers; stale positions
+                        # weigh zero and their B is replaced by zero (a stale NaN must not leak).
+                        rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
+                        for r in cutlass.range_constexpr(RW):
+                            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
+                            for v in cutlass.range_constexpr(vec):
+                                rAcc[r, v] = gamma * rS[v]
+                        own = dt_cur * x_cur
+                        for r in cutlass.range_constexpr(RW):
+                            coef = cute.arch.shuffle_sync(own, r)
+                            for v in cutlass.range_constexpr(vec):
+                                rAcc[r, v] = rAcc[r, v] + coef * rBa[v]
+                        if cutlass.const_expr(ring):
+                            for p in cutlass.range_constexpr(cap):
+                                j = (p - origin + cap) % cap
+                                live_p = j < h
+                                w = cute.arch.shuffle_sync(w_j, j)
+                                x_p = sRingX[p, p_warp + lr, stage].to(Float32)
+                                coef_p = cutlass.select_(live_p, w * x_p, Float32(0.0))
+                                rBp = load_slice(sRingB[p, None, stage], lane, vec)
+                                for v in cutlass.range_constexpr(vec):
+                                    rBp[v] = cutlass.select_(live_p, rBp[v], Float32(0.0))
+                                for r in cutlass.range_constexpr(RW):
+                                    coef = cute.arch.shuffle_sync(coef_p, r)
+                                    for v in cutlass.range_constexpr(vec):
+                                        rAcc[r, v] = rAcc[r, v] + coef * rBp[v]
+                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
+                        rDots.fill(0.0)
+                        for r in cutlass.range_constexpr(RW):
+                            cute.autovec_copy(rAcc[r, None],
+                                              cute.local_tile(mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
+                            for v in cutlass.range_constexpr(vec):
+                                rDots[r] = rDots[r] + rAcc[r, v] * rC[v]
+                        y_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                    else:
+                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
+                        rDots.fill(0.0)
+                        for r in cutlass.range_constexpr(RW):
+                            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
+                            for v in cutlass.range_constexpr(vec):
+                                rDots[r] = rDots[r] + rS[v] * rC[v]
+                        y_row = gamma * cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                        # this token: weight dt (exp(0)); then sum_j w_j (B_j . C) x_j over live records
+                        part = Float32(0.0)
+                        for v in cutlass.range_constexpr(vec):
+                            part = part + rBa[v] * rC[v]
+                        ring_term = dt_cur * warp_sum(part) * x_cur
+                        if cutlass.const_expr(ring):
+                            rPos = cute.make_rmem_tensor((n_pos,), Float32)
+                            rPos.fill(0.0)
+                            for p in cutlass.range_constexpr(cap):
+                                rBp = load_slice(sRingB[p, None, stage], lane, vec)
+                                for v in cutlass.range_constexpr(vec):
+                                    rPos[p] = rPos[p] + rBp[v] * rC[v]
+                            dot = warp_reduce_many(rPos, n_pos)  # lane l: B_p . C of p = l >> pos_shift
+                            j_l = ((lane >> pos_shift) - origin + cap) % cap
+                            bc = cute.arch.shuffle_sync(w_j, j_l) * dot
+                            for p in cutlass.range_constexpr(cap):
+                                bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
+                                live_p = (p - origin + cap) % cap < h
+                                x_p = sRingX[p, p_warp + lr, stage].to(Float32)
+                                ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
+                            # append this token's record (B and dt once per group / head)
+                            if cw == 0:
+                                if head % heads_per_group == 0:
+                                    rBraw = cute.make_rmem_tensor((vec,), act)
+                                    cute.autovec_copy(cute.local_tile(sB[None, stage], (vec,), (lane,)), rBraw)
+                                    cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
+                                                                             (vec,), (lane,)))
+                                if lane == 0:
+                                    mRingDt[slot64, pos_h, head] = dt_cur
+                    if lane < RW:
+                        y = y_row + ring_term
+                        if cutlass.const_expr(s.has_D):
+                            y = y + sMetaF[2, stage] * x_cur
+                        if cutlass.const_expr(s.has_z):
+                            z = sZ[p_warp + lane, stage].to(Float32)
+                            y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                        mOut[row, head, p_warp + lane] = y.to(act)
+                        if cutlass.const_expr(ring):
+                            if not flush:
+                                mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
+                cute.arch.sync_warp()  # every lane's reads of the stage are done
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + stage)
+                it = it + 1
+
+
+def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, options: str):
+    """Compile with `options` (TVM-FFI and the target arch) from the decode kernel's fake
+    inputs; launches on the caller's current CUDA stream."""
+    from .decode import fake_inputs
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    args = fake_inputs(shape)
+    return cute.compile(Mamba2PipelinedDecode(shape, config), *args.values(), stream, options=options)
+
+
+def pipelined_config(shape: Mamba2Shape, sm_count: int) -> Optional[Mamba2PipeConfig]:
+    """As many stages as fit (up to 6), one CTA per SM; None if the kernel cannot take `shape`."""
+    for stages in range(6, 1, -1):
+        config = Mamba2PipeConfig(stages=stages, ctas=sm_count)
+        if config.check(shape) is None:
+            return config
+    return None
