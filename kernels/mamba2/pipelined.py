@@ -310,9 +310,11 @@ class Mamba2PipelinedDecode:
                     # the release of this arrival publishes the scalars above
                     if live:
                         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
-                        cute.copy(tma_state, t_g[None, slot * H + head], t_s[None, stage], tma_bar_ptr=full + stage)
                     else:
                         cute.arch.mbarrier_arrive(full + stage)
+                if live:
+                    # the whole warp: the TMA copy elects its issuing lane (elect.sync)
+                    cute.copy(tma_state, t_g[None, slot * H + head], t_s[None, stage], tma_bar_ptr=full + stage)
                 cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
                 it = it + 1
         else:

@@ -11,6 +11,7 @@ import torch
 
 import replayssm_cute as rs
 from replayssm_cute import reference
+from replayssm_cute.runtime import launch, tuning
 
 from tests.helpers.numerics import rel_err
 
@@ -22,6 +23,20 @@ SHAPES = {
     "odd": (12, 48, 64, 3),
     "tiny": (4, 16, 32, 1),
 }
+
+
+@pytest.fixture(params=["tiles", "pipelined"])
+def decode_kernel(request, monkeypatch):
+    """Each decode case on both decode kernels: the tile kernel (kernels/mamba2/decode.py) and
+    the persistent pipeline (kernels/mamba2/pipelined.py, picked by REPLAYSSM_CUTE_PIPELINED=1
+    with the tuned configs off)."""
+    if request.param == "pipelined":
+        monkeypatch.setenv("REPLAYSSM_CUTE_PIPELINED", "1")
+        monkeypatch.setenv(tuning.ENV_DISABLE, "0")
+    launch.reload()
+    yield request.param
+    monkeypatch.undo()
+    launch.reload()
 
 
 def _params(H, P, N, device, gen):
@@ -120,29 +135,29 @@ def _cache_tensors(cache):
 @pytest.mark.parametrize("shape", ["nano4b", "super", "odd", "tiny"])
 @pytest.mark.parametrize("window", [1, 16])
 @pytest.mark.parametrize("batch", [1, 37, 256])
-def test_decode_bf16(shape, window, batch):
+def test_decode_bf16(shape, window, batch, decode_kernel):
     _run_case(shape, batch, torch.bfloat16, window, seed=batch + window)
 
 
 @pytest.mark.parametrize("shape", ["super", "odd"])
 @pytest.mark.parametrize("window", [1, 5, 16])
-def test_decode_fp32_with_z(shape, window):
+def test_decode_fp32_with_z(shape, window, decode_kernel):
     _run_case(shape, 64, torch.float32, window, with_z=True, seed=window)
 
 
 @pytest.mark.parametrize("shape", ["super", "odd"])
 @pytest.mark.parametrize("window", [5, 16])
-def test_stale_ring_records_never_reach_outputs_or_folds(shape, window):
+def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_kernel):
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
 @pytest.mark.xdist_group("gpu_memory")
-def test_decode_batch_512_pad_zero():
+def test_decode_batch_512_pad_zero(decode_kernel):
     _run_case("super", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)
 
 
 @pytest.mark.parametrize("window", [1, 8])
-def test_cuda_graph_capture_replay(window):
+def test_cuda_graph_capture_replay(window, decode_kernel):
     """Capture several steps in one graph, replay it over several windows with mixed flush rows."""
     H, P, N, G = SHAPES["odd"]
     dev = torch.device("cuda")

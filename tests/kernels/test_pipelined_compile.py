@@ -1,0 +1,67 @@
+"""The persistent, warp-specialised Mamba-2 decode (kernels/mamba2/pipelined.py): its config
+check, and compile-only builds for sm_90a, sm_100a and sm_103a with PTX checks (no GPU)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
+
+from tests.kernels.test_kernels_compile import _ANSI, _env, _parse, ROOT
+
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+SUPER = Mamba2Shape(128, 64, 128, 8, 16, 16)
+
+
+def test_config_takes_fp32_checkpoints_only():
+    assert Mamba2PipeConfig(4, 132).check(SUPER) is None
+    for fields, words in [(dict(read_copy="fp8"), "fp32 checkpoint"), (dict(checkpoint_format="fp16"), "fp32"),
+                          (dict(window=30, capacity=34), "capacity 34"), (dict(dstate=48), "dstate 48"),
+                          (dict(headdim=20), "headdim 20")]:
+        shape = Mamba2Shape(**{**SUPER.__dict__, **fields})
+        assert words in Mamba2PipeConfig(4, 132).check(shape)
+    assert "stages 9" in Mamba2PipeConfig(9, 132).check(SUPER)
+    assert "ctas 0" in Mamba2PipeConfig(4, 0).check(SUPER)
+    assert "shared memory" in Mamba2PipeConfig(8, 132).check(SUPER)
+
+
+def test_default_takes_the_most_stages_that_fit():
+    config = pipelined_config(SUPER, 132)
+    assert config.check(SUPER) is None and config.ctas == 132
+    assert Mamba2PipeConfig(config.stages + 1, 132).check(SUPER) is not None
+    assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132) is None
+
+
+def test_consumer_warps_keep_at_most_16_rows():
+    for headdim, warps in [(64, 4), (80, 5), (48, 3), (16, 1), (128, 8)]:
+        shape = Mamba2Shape(**{**SUPER.__dict__, "headdim": headdim})
+        assert Mamba2PipeConfig().consumer_warps(shape) == warps
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def build(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"pipe-{request.param}")
+    env = _env(tmp / "cache")
+    env.update(REPLAYSSM_CUTE_PIPELINED="1", REPLAYSSM_CUTE_TUNED="0")
+    cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", "nemotron-super", "--arch", request.param,
+           "--workers", "1", "--dump-ptx", str(tmp / "ptx")]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
+    log = _ANSI.sub("", proc.stdout)
+    return request.param, proc, log, _parse(log)[1]
+
+
+def test_pipelined_kernels_build_for_every_arch(build):
+    arch, proc, log, kernels = build
+    assert proc.returncode == 0, log[-4000:]
+    pipe = [k for k in kernels if "_pipe" in k[0]]
+    assert sorted(k[0].split("_")[1] for k in pipe) == ["conventional", "replay"], log[-4000:]
+    for label, _, ptx, spills in pipe:
+        text = open(ptx).read()
+        assert f".target {arch}" in text
+        assert "cp.async.bulk.tensor" in text, f"{label}: the checkpoint tile is not loaded by TMA"
+        assert "cp.async.mbarrier.arrive.noinc" in text, f"{label}: the producer's copies are not counted"
+        assert ".local" not in text, f"{label}: local memory"
+        assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"
