@@ -61,7 +61,8 @@ _MAX_CAPACITY = 32  # window + max_draft: one lane per ring record
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}]: a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):  # the pipelined decode's
-        return f"pipe{config.stages}_grid{config.ctas}"
+        rows = f"_rows{config.rows_per_item}" if hasattr(config, "rows_per_item") else ""
+        return f"pipe{config.stages}_grid{config.ctas}{rows}"
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:
         label += f"_ctas{config.min_ctas_per_sm}"

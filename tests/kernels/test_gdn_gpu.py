@@ -161,24 +161,24 @@ def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, sc
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("window", [1, 16])
 @pytest.mark.parametrize("batch", [1, 37, 256])
-def test_decode_bf16(shape, window, batch):
+def test_decode_bf16(shape, window, batch, decode_kernel):
     _run_case(shape, batch, torch.bfloat16, window, seed=batch + window)
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-4b", "odd"])
 @pytest.mark.parametrize("window", [1, 5, 16])
-def test_decode_fp32_scaled(shape, window):
+def test_decode_fp32_scaled(shape, window, decode_kernel):
     _run_case(shape, 64, torch.float32, window, seed=window, scale=0.05)
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-122b", "odd"])
 @pytest.mark.parametrize("window", [5, 16])
-def test_stale_ring_records_never_reach_outputs_or_folds(shape, window):
+def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_kernel):
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
 @pytest.mark.xdist_group("gpu_memory")
-def test_decode_batch_512_pad_zero():
+def test_decode_batch_512_pad_zero(decode_kernel):
     _run_case("qwen3.5-4b", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)
 
 
@@ -191,7 +191,7 @@ def test_decode_configs(rows, warps):
 
 
 @pytest.mark.parametrize("window", [1, 16])
-def test_mixed_qkv_strided(window):
+def test_mixed_qkv_strided(window, decode_kernel):
     """vLLM's packed [q | k | v] rows with a row stride wider than the packed width give
     bit-identical outputs and caches to separate contiguous q, k, v."""
     H, HV, K, V = SHAPES["odd"]
@@ -220,7 +220,7 @@ def test_mixed_qkv_strided(window):
 
 
 @pytest.mark.parametrize("window", [1, 8])
-def test_cuda_graph_capture_replay(window):
+def test_cuda_graph_capture_replay(window, decode_kernel):
     """Capture several steps in one graph, replay it over several windows with mixed flush rows."""
     H, HV, K, V = SHAPES["odd"]
     dev = torch.device("cuda")

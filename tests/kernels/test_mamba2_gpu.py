@@ -11,7 +11,6 @@ import torch
 
 import replayssm_cute as rs
 from replayssm_cute import reference
-from replayssm_cute.runtime import launch, tuning
 
 from tests.helpers.numerics import rel_err
 
@@ -23,20 +22,6 @@ SHAPES = {
     "odd": (12, 48, 64, 3),
     "tiny": (4, 16, 32, 1),
 }
-
-
-@pytest.fixture(params=["tiles", "pipelined"])
-def decode_kernel(request, monkeypatch):
-    """Each decode case on both decode kernels: the tile kernel (kernels/mamba2/decode.py) and
-    the persistent pipeline (kernels/mamba2/pipelined.py, picked by REPLAYSSM_CUTE_PIPELINED=1
-    with the tuned configs off)."""
-    if request.param == "pipelined":
-        monkeypatch.setenv("REPLAYSSM_CUTE_PIPELINED", "1")
-        monkeypatch.setenv(tuning.ENV_DISABLE, "0")
-    launch.reload()
-    yield request.param
-    monkeypatch.undo()
-    launch.reload()
 
 
 def _params(H, P, N, device, gen):

@@ -1,11 +1,14 @@
-"""The persistent, warp-specialised Mamba-2 decode (kernels/mamba2/pipelined.py): its config
-check, and compile-only builds for sm_90a, sm_100a and sm_103a with PTX checks (no GPU)."""
+"""The persistent, warp-specialised decode kernels (kernels/mamba2/pipelined.py,
+kernels/gdn/pipelined.py): their config checks, and compile-only builds for sm_90a, sm_100a and
+sm_103a with PTX checks (no GPU)."""
 
 import subprocess
 import sys
 
 import pytest
 
+from replayssm_cute.kernels.gdn import pipelined as gdn_pipe
+from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
 from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
 
@@ -13,6 +16,8 @@ from tests.kernels.test_kernels_compile import _ANSI, _env, _parse, ROOT
 
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 SUPER = Mamba2Shape(128, 64, 128, 8, 16, 16)
+QWEN = GDNShape(64, 128, 128, 16, 16, 16)
+MODELS = ("nemotron-super", "qwen3.5-122b")
 
 
 def test_config_takes_fp32_checkpoints_only():
@@ -40,17 +45,32 @@ def test_consumer_warps_keep_at_most_16_rows():
         assert Mamba2PipeConfig().consumer_warps(shape) == warps
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+def test_gdn_config_takes_plain_fp32_caches_only():
+    assert gdn_pipe.GDNPipeConfig(4, 132, 64).check(QWEN) is None
+    for fields, words in [(dict(read_copy="fp8"), "fp32 checkpoint"), (dict(keep_v_beta=True), "re-derive"),
+                          (dict(rederive=True), "re-derive"), (dict(window=30, capacity=34), "capacity 34"),
+                          (dict(head_k_dim=40), "head_k_dim 40")]:
+        shape = GDNShape(**{**QWEN.__dict__, **fields})
+        assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape)
+    assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
+    assert "shared memory" in gdn_pipe.GDNPipeConfig(8, 132, 128).check(QWEN)
+    config = gdn_pipe.pipelined_config(QWEN, 132)
+    assert (config.rows_per_item, config.consumer_warps()) == (64, 4)
+    assert gdn_pipe.GDNPipeConfig(config.stages + 1, 132, 64).check(QWEN) is not None
+
+
+@pytest.fixture(scope="module", params=[(m, a) for m in MODELS for a in ARCHS], ids=lambda p: f"{p[0]}-{p[1]}")
 def build(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"pipe-{request.param}")
+    model, arch = request.param
+    tmp = tmp_path_factory.mktemp(f"pipe-{model}-{arch}")
     env = _env(tmp / "cache")
     env.update(REPLAYSSM_CUTE_PIPELINED="1", REPLAYSSM_CUTE_TUNED="0")
-    cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", "nemotron-super", "--arch", request.param,
+    cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", model, "--arch", arch,
            "--workers", "1", "--dump-ptx", str(tmp / "ptx")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     log = _ANSI.sub("", proc.stdout)
-    return request.param, proc, log, _parse(log)[1]
+    return arch, proc, log, _parse(log)[1]
 
 
 def test_pipelined_kernels_build_for_every_arch(build):

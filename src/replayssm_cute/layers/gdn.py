@@ -9,6 +9,7 @@ runtime, the Shape of a call, its argument list).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -75,6 +76,13 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
 def _decode_default(shape, bucket: int):
     from ..kernels.gdn.config import default_gdn_config
 
+    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") == "1":  # issue 16 work in progress
+        from ..kernels.gdn.pipelined import pipelined_config
+
+        config = pipelined_config(shape, torch.cuda.get_device_properties(0).multi_processor_count
+                                  if torch.cuda.is_available() else 132)
+        if config is not None:
+            return config
     return default_gdn_config(shape.head_v_dim, bucket, shape.window, shape, whole_head(shape))
 
 
@@ -83,6 +91,10 @@ def _decode_check(shape, config, num_drafts: int):
 
 
 def _decode_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.gdn.pipelined import GDNPipeConfig, compile_pipelined_decode
+
+    if isinstance(config, GDNPipeConfig):
+        return compile_pipelined_decode(shape, config, options)
     from ..kernels.gdn.decode import compile_decode
 
     return compile_decode(shape, config, options)

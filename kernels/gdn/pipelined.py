@@ -1,0 +1,484 @@
+"""Gated DeltaNet decode step on a persistent, warp-specialised pipeline (fp32 checkpoint).
+
+Same step as ``kernels/gdn/decode.py`` (ReplaySSM standard decoding, Algorithm 4; window 1 is
+the conventional fused step), with the residency of ``kernels/mamba2/pipelined.py``: a fixed grid
+of CTAs loops over work items, one per (batch row, value head, half of the head's V rows), items
+``bid, bid + grid, ...``. Warp 0 produces, the other warps consume:
+
+- the producer fills ``stages`` shared-memory stages, each with everything one item needs: its
+  (V / 2, K) checkpoint rows (one TMA box), the ring's u of those rows and the key-head's keys
+  at every position and the value head's g (cp.async), this token's q, k, v (plain loads stored
+  into the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
+  origin, the raw gates, A_log, dt_bias). One mbarrier per stage counts the TMA bytes and the
+  producer lanes' arrivals;
+- the consumers compute the item from shared memory only and release the stage (one arrival
+  per consumer warp). Consumer warp c owns 16 of the item's rows (a lane per row for the row
+  terms, ``k_vec`` consecutive elements of K per lane).
+
+Tensor contract: as ``kernels/gdn/decode.py`` (same arguments, same order), restricted to an
+fp32 checkpoint without read copy, without the two-precision records (ring_v, ring_beta) and
+without re-derivation (``GDNPipeConfig.check``); those arguments are None.
+
+| name        | shape             | dtype    | access | meaning                                     |
+|-------------|-------------------|----------|--------|---------------------------------------------|
+| checkpoint  | (S, HV, V, K)     | fp32     | R / W on flush | S_ckpt (the state when L = 1)       |
+| q, k        | (b, H, K)         | act      | R      | raw query / key; any batch stride           |
+| v           | (b, HV, V)        | act      | R      | value, any batch stride                     |
+| a, b        | (b, HV)           | gate     | R      | raw gates                                   |
+| A_log, dt_bias | (HV,)          | param    | R      |                                             |
+| slot_ids    | (b,)              | int32    | R      | pool slot per row; pad / out-of-range rows skip |
+| out         | (b, HV, V)        | act      | W      | o (pad rows left untouched)                 |
+| ring_u / ring_k / ring_g | (S, cap, HV, V) / (S, cap, H, K) / (S, cap, HV) | fp16 / act / fp32 | R / W | records (L > 1) |
+| plan        | (b, 4)            | int32    | R      | (slot, h, origin, sr_writes) (L > 1)         |
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from .common import gdn_gates, normalize_qk
+from .config import GDNShape
+
+ROWS_PER_WARP = 16  # a consumer warp's rows: 2 x 16 row dots reduced at once, the folded rows in registers
+META = 8  # scalars of an item staged by the producer
+
+
+@dataclass(frozen=True)
+class GDNPipeConfig:
+    """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
+    ``ctas`` CTAs in the persistent grid, ``rows_per_item`` state rows per item (a divisor of
+    head_v_dim, a multiple of 16: a consumer warp per 16 rows)."""
+
+    stages: int = 4
+    ctas: int = 132
+    rows_per_item: int = 64
+
+    def consumer_warps(self) -> int:
+        return self.rows_per_item // ROWS_PER_WARP
+
+    def stage_bytes(self, shape: GDNShape) -> int:
+        R, K, cap = self.rows_per_item, shape.head_k_dim, shape.capacity
+        act = shape.act_dtype.width // 8
+        ring = (cap * R * 2 + cap * K * act) if shape.window > 1 else 0
+        return R * K * 4 + ring + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
+
+    def smem_bytes(self, shape: GDNShape) -> int:
+        return self.stages * self.stage_bytes(shape) + 16 * self.stages + 512
+
+    def key(self):
+        return ("pipe", self.stages, self.ctas, self.rows_per_item)
+
+    def check(self, shape: GDNShape) -> Optional[str]:
+        V, K = shape.head_v_dim, shape.head_k_dim
+        if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
+            return "the pipelined decode takes an fp32 checkpoint without read copy"
+        if shape.keep_v_beta or shape.rederive:
+            return "the pipelined decode does not keep v and beta records nor re-derive corrections"
+        if K % 16 or K > 256:
+            return f"head_k_dim {K}: the kernel needs a multiple of 16 up to 256"
+        if self.rows_per_item % ROWS_PER_WARP or V % self.rows_per_item or self.rows_per_item > 256:
+            return (f"rows_per_item {self.rows_per_item}: expected a multiple of {ROWS_PER_WARP} up to 256 "
+                    f"dividing head_v_dim {V}")
+        if shape.capacity > 32:
+            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if not 2 <= self.stages <= 8:
+            return f"stages {self.stages}: expected 2..8"
+        if not 1 <= self.ctas <= 4096:
+            return f"ctas {self.ctas}: expected 1..4096"
+        if self.smem_bytes(shape) > SMEM_PER_CTA:
+            return f"{self.stages} stages need {self.smem_bytes(shape)} bytes of shared memory (at most {SMEM_PER_CTA})"
+        return None
+
+
+def pipelined_config(shape: GDNShape, sm_count: int) -> Optional[GDNPipeConfig]:
+    """Half a head per item (whole heads below 32 rows), as many stages as fit (up to 6), one CTA
+    per SM; None if the kernel cannot take `shape`."""
+    rows = shape.head_v_dim // 2 if shape.head_v_dim % 32 == 0 else shape.head_v_dim
+    for stages in range(6, 1, -1):
+        config = GDNPipeConfig(stages=stages, ctas=sm_count, rows_per_item=rows)
+        if config.check(shape) is None:
+            return config
+    return None
+
+
+class GDNPipelinedDecode:
+    """One decode step of a Gated DeltaNet layer over a pool of slots (see module docstring)."""
+
+    def __init__(self, shape: GDNShape, config: GDNPipeConfig):
+        reason = config.check(shape)
+        if reason is not None:
+            raise ValueError(f"GDNPipeConfig {config} invalid for {shape}: {reason}")
+        self.shape = shape
+        self.config = config
+
+    @cute.jit
+    def __call__(
+        self,
+        mCheckpoint: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingU: Optional[cute.Tensor],
+        mRingK: Optional[cute.Tensor],
+        mRingG: Optional[cute.Tensor],
+        mRingV: Optional[cute.Tensor],
+        mRingBeta: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
+        mCheckpointScale: Optional[cute.Tensor],
+        mCheckpointStateScale: Optional[cute.Tensor],
+        mRead: Optional[cute.Tensor],
+        mReadScale: Optional[cute.Tensor],
+        mReadStateScale: Optional[cute.Tensor],
+        mSrSeed: Optional[cute.Tensor],
+        stream,
+    ):
+        s, c = self.shape, self.config
+        HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
+        tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, HV * V, K), c.rows_per_item, K)
+        self.kernel(
+            tma_state, mStateTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
+            mRingU, mRingK, mRingG, mPlan,
+        ).launch(
+            grid=[c.ctas, 1, 1],
+            block=[32 * (1 + c.consumer_warps()), 1, 1],
+            smem=c.smem_bytes(s),
+            stream=stream,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_state: cute.CopyAtom,
+        mStateTma: cute.Tensor,
+        mCheckpoint: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        mRingU: Optional[cute.Tensor],
+        mRingK: Optional[cute.Tensor],
+        mRingG: Optional[cute.Tensor],
+        mPlan: Optional[cute.Tensor],
+    ):
+        s, c = self.shape, self.config
+        HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
+        ST = c.stages
+        R = c.rows_per_item
+        CW = c.consumer_warps()
+        RW = ROWS_PER_WARP
+        parts = V // R  # items per value head
+        vec = s.k_vec
+        KL = K // vec  # lanes that hold part of a K row
+        rep = HV // H
+        act = s.act_dtype
+        ring = L > 1
+        state_bytes = R * K * 4
+        u_per16 = 8  # fp16 u values per 16-byte cp.async
+        k_per16 = 128 // act.width
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        num_slots = mCheckpoint.shape[0]
+        total = mV.shape[0] * HV * parts
+
+        # Shared memory, declared once: per stage the item's state rows, the ring records it
+        # reads, this token's q, k, v (fp32) and the item's scalars; a full and an empty
+        # mbarrier per stage.
+        smem = SmemAllocator()
+        sState = smem.allocate_tensor(Float32, cute.make_layout((R, K, ST), stride=(K, 1, R * K)), byte_alignment=128)
+        sRingU = None
+        sRingK = None
+        if cutlass.const_expr(ring):
+            sRingU = smem.allocate_tensor(cutlass.Float16, cute.make_layout((cap, R, ST), stride=(R, 1, cap * R)),
+                                          byte_alignment=16)
+            sRingK = smem.allocate_tensor(act, cute.make_layout((cap, K, ST), stride=(K, 1, cap * K)), byte_alignment=16)
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((K, ST), stride=(1, K)), byte_alignment=16)
+        sK = smem.allocate_tensor(Float32, cute.make_layout((K, ST), stride=(1, K)), byte_alignment=16)
+        sV = smem.allocate_tensor(Float32, cute.make_layout((R, ST), stride=(1, R)), byte_alignment=16)
+        sRingG = smem.allocate_tensor(Float32, cute.make_layout((32, ST), stride=(1, 32)), byte_alignment=16)
+        sMetaI = smem.allocate_tensor(Int32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
+        sMetaF = smem.allocate_tensor(Float32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
+        full = smem.allocate_array(Int64, ST, byte_alignment=8)
+        empty = smem.allocate_array(Int64, ST, byte_alignment=8)
+
+        if tidx == 0:
+            for st in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(full + st, 33)  # 32 producer lanes' arrivals + the TMA arrival
+                cute.arch.mbarrier_init(empty + st, CW)  # one arrival per consumer warp
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            # ------------------------------------------------------------ producer
+            g_boxes = cute.local_tile(mStateTma, (R, K), (None, 0))
+            t_s, t_g = cpasync.tma_partition(
+                tma_state, 0, cute.make_layout(1),
+                cute.group_modes(sState, 0, 2), cute.group_modes(g_boxes, 0, 2),
+            )
+            copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
+            copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
+            copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            it = Int32(0)
+            for item in cutlass.range(bid, total, grid, unroll=1):
+                row = item // (HV * parts)
+                vhead = (item // parts) % HV
+                part = item % parts
+                khead = vhead // rep
+                stage = it % ST
+                phase = (it // ST) % 2
+                # Row-indexed loads first (none waits on the slot): scalars and this token's
+                # q, k (lane: K / 32 elements each) and v (R / 32 rows each).
+                slot = mSlot[row]
+                h = Int32(0)
+                origin = Int32(0)
+                if cutlass.const_expr(ring):
+                    h = mPlan[row, 1]
+                    origin = mPlan[row, 2]
+                a_raw = mA[row, vhead].to(Float32)
+                b_raw = mB[row, vhead].to(Float32)
+                a_log = mALog[vhead].to(Float32)
+                bias = mDtBias[vhead].to(Float32)
+                kq_per_lane = (K + 31) // 32
+                rQ = cute.make_rmem_tensor((kq_per_lane,), Float32)
+                rK = cute.make_rmem_tensor((kq_per_lane,), Float32)
+                for e in cutlass.range_constexpr(kq_per_lane):
+                    col = e * 32 + lane
+                    if col < K:
+                        rQ[e] = mQ[row, khead, col].to(Float32)
+                        rK[e] = mK[row, khead, col].to(Float32)
+                v_per_lane = (R + 31) // 32
+                rV = cute.make_rmem_tensor((v_per_lane,), Float32)
+                for e in cutlass.range_constexpr(v_per_lane):
+                    vr = e * 32 + lane
+                    if vr < R:
+                        rV[e] = mV[row, vhead, part * R + vr].to(Float32)
+                live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+                for e in cutlass.range_constexpr(kq_per_lane):
+                    col = e * 32 + lane
+                    if col < K:
+                        sQ[col, stage] = rQ[e]
+                        sK[col, stage] = rK[e]
+                for e in cutlass.range_constexpr(v_per_lane):
+                    vr = e * 32 + lane
+                    if vr < R:
+                        sV[vr, stage] = rV[e]
+                if live:
+                    slot64 = Int64(slot)
+                    if cutlass.const_expr(ring):
+                        # every ring position (no load waits on h); stale ones weigh zero in use
+                        u_chunks = cap * (R // u_per16)
+                        for kk in cutlass.range_constexpr((u_chunks + 31) // 32):
+                            chunk = kk * 32 + lane
+                            if chunk < u_chunks:
+                                pos = chunk // (R // u_per16)
+                                piece = chunk % (R // u_per16)
+                                cute.copy(copy_u, cute.local_tile(mRingU[slot64, pos, vhead, None], (u_per16,),
+                                                                  (part * (R // u_per16) + piece,)),
+                                          cute.local_tile(sRingU[pos, None, stage], (u_per16,), (piece,)))
+                        k_chunks = cap * (K // k_per16)
+                        for kk in cutlass.range_constexpr((k_chunks + 31) // 32):
+                            chunk = kk * 32 + lane
+                            if chunk < k_chunks:
+                                pos = chunk // (K // k_per16)
+                                piece = chunk % (K // k_per16)
+                                cute.copy(copy_k, cute.local_tile(mRingK[slot64, pos, khead, None], (k_per16,), (piece,)),
+                                          cute.local_tile(sRingK[pos, None, stage], (k_per16,), (piece,)))
+                        if lane < cap:
+                            cute.copy(copy4, cute.local_tile(mRingG[slot64, None, vhead], (1,), (lane,)),
+                                      cute.local_tile(sRingG[None, stage], (1,), (lane,)))
+                if lane == 0:
+                    sMetaI[0, stage] = slot
+                    sMetaI[1, stage] = h
+                    sMetaI[2, stage] = origin
+                    sMetaF[0, stage] = a_raw
+                    sMetaF[1, stage] = b_raw
+                    sMetaF[2, stage] = a_log
+                    sMetaF[3, stage] = bias
+                cute.arch.sync_warp()  # every lane's stores to the stage precede lane 0's release
+                if lane == 0:
+                    if live:
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
+                    else:
+                        cute.arch.mbarrier_arrive(full + stage)
+                if live:
+                    # the whole warp: the TMA copy elects its issuing lane (elect.sync)
+                    box = (slot * HV + vhead) * parts + part
+                    cute.copy(tma_state, t_g[None, box], t_s[None, stage], tma_bar_ptr=full + stage)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                it = it + 1
+        else:
+            # ------------------------------------------------------------ consumers
+            cw = warp - 1
+            lr = lane % RW
+            n_pos = pow2_at_least(cap)
+            pos_shift = 5 - (n_pos.bit_length() - 1)
+            row_shift = 5 - (2 * RW).bit_length() + 1
+            it = Int32(0)
+            for item in cutlass.range(bid, total, grid, unroll=1):
+                row = item // (HV * parts)
+                vhead = (item // parts) % HV
+                part = item % parts
+                khead = vhead // rep
+                stage = it % ST
+                phase = (it // ST) % 2
+                cute.arch.mbarrier_wait(full + stage, phase)
+                slot = sMetaI[0, stage]
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    slot64 = Int64(slot)
+                    h = sMetaI[1, stage]
+                    origin = sMetaI[2, stage]
+                    g, beta = gdn_gates(sMetaF[0, stage], sMetaF[1, stage], sMetaF[2, stage], sMetaF[3, stage])
+                    flush = h + 1 >= L  # h == L only after a speculative commit
+                    pos_h = (origin + h) % cap
+                    r0 = cw * RW  # the warp's first row within the item
+                    i_row = part * R + r0 + lr  # this lane's state row within the head
+
+                    rK = cute.make_rmem_tensor((vec,), Float32)
+                    rQ = cute.make_rmem_tensor((vec,), Float32)
+                    rK.fill(0.0)
+                    rQ.fill(0.0)
+                    if lane < KL:
+                        for e in cutlass.range_constexpr(vec):
+                            rK[e] = sK[lane * vec + e, stage]
+                            rQ[e] = sQ[lane * vec + e, stage]
+                    kq = normalize_qk(rK, rQ, vec, s.q_scale)
+
+                    # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
+                    # exp(sum of the later g, this token's included).
+                    g_j = cutlass.select_(lane == h, g, Float32(0.0))
+                    if cutlass.const_expr(ring):
+                        p_lane = lane % cap
+                        g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, stage],
+                                                 Float32(0.0))
+                        g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
+                        if lane < h:
+                            g_j = g_rec
+                    tail = g_j
+                    for t in cutlass.range_constexpr(5):
+                        other = cute.arch.shuffle_sync_down(tail, 1 << t)
+                        if lane + (1 << t) < 32:
+                            tail = tail + other
+                    w_j = cute.math.exp(tail - g_j, fastmath=False)
+                    gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+                    # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
+                    ring_k = Float32(0.0)
+                    ring_q = Float32(0.0)
+                    if cutlass.const_expr(ring):
+                        rDk = cute.make_rmem_tensor((n_pos,), Float32)
+                        rDq = cute.make_rmem_tensor((n_pos,), Float32)
+                        rDk.fill(0.0)
+                        rDq.fill(0.0)
+                        if lane < KL:
+                            for p in cutlass.range_constexpr(cap):
+                                rKey = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                                for e in cutlass.range_constexpr(vec):
+                                    rDk[p] = rDk[p] + rKey[e].to(Float32) * rK[e]
+                                    rDq[p] = rDq[p] + rKey[e].to(Float32) * rQ[e]
+                        dot_k = warp_reduce_many(rDk, n_pos)  # lane l: position l >> pos_shift
+                        dot_q = warp_reduce_many(rDq, n_pos)
+                        w_l = cute.arch.shuffle_sync(w_j, ((lane >> pos_shift) - origin + cap) % cap)
+                        for p in cutlass.range_constexpr(cap):
+                            ck = cute.arch.shuffle_sync(w_l * dot_k, p << pos_shift)
+                            cq = cute.arch.shuffle_sync(w_l * dot_q, p << pos_shift)
+                            live_p = (p - origin + cap) % cap < h
+                            u_p = sRingU[p, r0 + lr, stage].to(Float32)
+                            ring_k = ring_k + cutlass.select_(live_p, ck * u_p, Float32(0.0))
+                            ring_q = ring_q + cutlass.select_(live_p, cq * u_p, Float32(0.0))
+
+                    # S k and S q of the warp's rows (the checkpoint before this token).
+                    rRows = cute.make_rmem_tensor((2 * RW,), Float32)
+                    rRows.fill(0.0)
+                    if lane < KL:
+                        for r in cutlass.range_constexpr(RW):
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                            for e in cutlass.range_constexpr(vec):
+                                rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
+                                rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+                    rows = warp_reduce_many(rRows, 2 * RW)
+                    s_k = cute.arch.shuffle_sync(rows, (2 * lr) << row_shift)
+                    s_q = cute.arch.shuffle_sync(rows, (2 * lr + 1) << row_shift)
+
+                    v_cur = sV[r0 + lr, stage]
+                    u = beta * (v_cur - (gamma * s_k + ring_k))
+                    if lane < RW:
+                        mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
+                    if flush:
+                        # S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j,
+                        # the warp's rows in registers; a stale key is replaced by zero (NaN-safe).
+                        rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
+                        for r in cutlass.range_constexpr(RW):
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                            coef = cute.arch.shuffle_sync(u, r)
+                            for e in cutlass.range_constexpr(vec):
+                                rAcc[r, e] = gamma * rS[e] + coef * rK[e]
+                        if cutlass.const_expr(ring):
+                            for p in cutlass.range_constexpr(cap):
+                                j = (p - origin + cap) % cap
+                                live_p = j < h
+                                w = cute.arch.shuffle_sync(w_j, j)
+                                u_p = sRingU[p, r0 + lr, stage].to(Float32)
+                                coef_p = cutlass.select_(live_p, w * u_p, Float32(0.0))
+                                rKey = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                                rKp = cute.make_rmem_tensor((vec,), Float32)
+                                for e in cutlass.range_constexpr(vec):
+                                    rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
+                                for r in cutlass.range_constexpr(RW):
+                                    coef = cute.arch.shuffle_sync(coef_p, r)
+                                    for e in cutlass.range_constexpr(vec):
+                                        rAcc[r, e] = rAcc[r, e] + coef * rKp[e]
+                        if lane < KL:
+                            for r in cutlass.range_constexpr(RW):
+                                cute.autovec_copy(rAcc[r, None], cute.local_tile(
+                                    mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,), (lane,)))
+                    else:
+                        if cutlass.const_expr(ring):
+                            if lane < RW:
+                                mRingU[slot64, pos_h, vhead, i_row] = u.to(cutlass.Float16)
+                            # this token's key once per key head, its g once per value head
+                            if part == 0 and cw == 0:
+                                if vhead % rep == 0 and lane < KL:
+                                    for e in cutlass.range_constexpr(vec):
+                                        mRingK[slot64, pos_h, khead, lane * vec + e] = rK[e].to(act)
+                                if lane == 0:
+                                    mRingG[slot64, pos_h, vhead] = g
+                cute.arch.sync_warp()  # every lane's reads of the stage are done
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + stage)
+                it = it + 1
+
+
+def compile_pipelined_decode(shape: GDNShape, config: GDNPipeConfig, options: str):
+    """Compile with `options` (TVM-FFI and the target arch) from the decode kernel's fake
+    inputs; launches on the caller's current CUDA stream."""
+    from .decode import fake_inputs
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    args = fake_inputs(shape)
+    return cute.compile(GDNPipelinedDecode(shape, config), *args.values(), stream, options=options)
