@@ -18,6 +18,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .limits import MAX_CAPACITY, MAX_DRAFT
+
 
 SMEM_PER_CTA = 227 * 1024  # opt-in maximum per CTA on sm_90 / sm_100 / sm_103
 MMA_ROWS = 16  # state rows per warp in the verify kernels: the M of an m16n8k8 MMA
@@ -77,11 +79,11 @@ def verify_check(shape, config, num_drafts: int):
         return f"verify tiles {MMA_ROWS} rows per warp (the MMA's M), not {config.rows_per_warp}"
     if shape.window < 2:
         return "verification needs a ring (window >= 2)"
-    if not 1 <= num_drafts <= min(16, shape.capacity - shape.window, shape.window):
-        return (f"num_drafts {num_drafts}: needs 1 <= T <= min(16, max_draft "
+    if not 1 <= num_drafts <= min(MAX_DRAFT, shape.capacity - shape.window, shape.window):
+        return (f"num_drafts {num_drafts}: needs 1 <= T <= min({MAX_DRAFT}, max_draft "
                 f"{shape.capacity - shape.window}, window {shape.window})")
-    if shape.window + num_drafts > 32:
-        return f"window + T = {shape.window + num_drafts} above 32 (one lane per record)"
+    if shape.window + num_drafts > MAX_CAPACITY:
+        return f"window + T = {shape.window + num_drafts} above {MAX_CAPACITY} (one lane per record)"
     return None
 
 
@@ -96,8 +98,8 @@ def snapshot_check(shape, config, num_drafts: int):
     rw = config.rows_per_warp
     if rw > 8 or rw & (rw - 1):
         return f"rows per warp {rw}: a power of two up to 8 (a warp keeps its rows in registers)"
-    if not 1 <= num_drafts <= 16:
-        return f"num_drafts {num_drafts}: 1..16"
+    if not 1 <= num_drafts <= MAX_DRAFT:
+        return f"num_drafts {num_drafts}: 1..{MAX_DRAFT}"
     return None
 
 

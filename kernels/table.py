@@ -46,9 +46,9 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .common import slot_is_live
+from .limits import PLAN_COLUMNS
 
 _THREADS = 128
-PLAN_COLUMNS = 4  # slot, h, origin, sr_writes
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class GDNVerify(DraftStepKernel):
         stream,
     ):
         s, c = self.shape, self.config
-        HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
+        HV, V = s.num_v_heads, s.head_v_dim
         copies = s.copies
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, HV * V, MMA_ROWS)
         launch_tiles(self.kernel(

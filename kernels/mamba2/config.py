@@ -13,6 +13,7 @@ import cutlass
 
 from ..common import pow2_at_least, smem_fit
 from ..config_space import config_space, launch_check
+from ..limits import MAX_CAPACITY
 from ..state_io import StateCopies
 
 
@@ -106,8 +107,8 @@ class Mamba2Config:
             return f"rows_per_cta {self.rows_per_cta} does not divide headdim {P}"
         if self.rows_per_cta % self.num_warps:
             return f"num_warps {self.num_warps} does not divide rows_per_cta {self.rows_per_cta}"
-        if shape.capacity > 32:
-            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if shape.capacity > MAX_CAPACITY:
+            return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         return None
 
 

@@ -115,7 +115,7 @@ class Mamba2Verify(DraftStepKernel):
         stream,
     ):
         s, c = self.shape, self.config
-        H, P, N = s.nheads, s.headdim, s.dstate
+        H, P = s.nheads, s.headdim
         copies = s.copies
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, H * P, MMA_ROWS)
         launch_tiles(self.kernel(

@@ -109,6 +109,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import checks, quant, reference
+from .kernels.limits import MAX_CAPACITY
 from .table import SequenceTable, StepPlan
 
 __all__ = ["Mamba2Cache", "GDNCache", "checkpoint_sr_bits", "CHECKPOINT_FORMATS",
@@ -121,8 +122,6 @@ READ_COPY_FORMATS = (None, "fp16", "fp8", "nvfp4")
 _COPIES = ("checkpoint", "read_copy")  # prefixes of the two state copies' tensors
 _SCALE_SUFFIXES = ("_scale", "_state_scale")
 _SEED_MASK = (1 << 32) - 1
-# The GPU kernels' ring: one lane per record (Mamba2Config / GDNConfig.check_tiles in kernels/).
-_KERNEL_MAX_CAPACITY = 32
 
 
 def _format(name: str, K: int):
@@ -265,9 +264,9 @@ class _SlotPool:
             if d % multiple or (maximum is not None and d > maximum):
                 bound = "" if maximum is None else f" in [{multiple}, {maximum}]"
                 raise ValueError(f"{name} must be a multiple of {multiple}{bound} {where}, got {d}")
-        if window + max_draft > _KERNEL_MAX_CAPACITY:
+        if window + max_draft > MAX_CAPACITY:
             raise ValueError(
-                f"window + max_draft (the ring capacity) must be at most {_KERNEL_MAX_CAPACITY} {where}: one lane "
+                f"window + max_draft (the ring capacity) must be at most {MAX_CAPACITY} {where}: one lane "
                 f"per record, got window {window} + max_draft {max_draft} = {window + max_draft}"
             )
 

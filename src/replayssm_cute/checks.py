@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .kernels.limits import MAX_DRAFT
+
 
 def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"decode: argument '{name}': expected {expected}, got {got}")
@@ -94,9 +96,6 @@ def as_int(name: str, value, minimum: Optional[int] = None) -> int:
     if minimum is not None and v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
     return v
-
-
-MAX_DRAFT = 16  # the verify kernels' limit on T, so on a pool's draft room
 
 
 def pool_arguments(num_slots, window, max_draft, pad_slot_id, device):

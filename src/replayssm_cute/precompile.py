@@ -49,13 +49,12 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from .kernels.limits import MAX_CAPACITY, MAX_DRAFT
 from .runtime import tuning
 from .runtime.tuning import BATCH_BUCKETS
 
 PROG = "python -m replayssm_cute.precompile"
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_MAX_DRAFTS = 16  # the verify kernels' limit (and Mamba2Cache's max_draft)
-_MAX_CAPACITY = 32  # window + max_draft: one lane per ring record
 
 
 def config_label(config) -> str:
@@ -145,14 +144,14 @@ def parse_drafts(text: str):
 def _drafts_error(model, window: int, drafts) -> Optional[str]:
     """Why `drafts` (draft counts) cannot be built for `model` at `window`, or None."""
     for T in drafts:
-        if not 1 <= T <= _MAX_DRAFTS:
-            return f"--drafts: draft count {T} is outside 1..{_MAX_DRAFTS}"
+        if not 1 <= T <= MAX_DRAFT:
+            return f"--drafts: draft count {T} is outside 1..{MAX_DRAFT}"
         if T > window:
             return (f"--drafts: draft count {T} is above the window {window} (a verify step of T "
                     f"drafts needs T <= window)")
-    if window + max(drafts) > _MAX_CAPACITY:
+    if window + max(drafts) > MAX_CAPACITY:
         return (f"--drafts: window {window} + max draft count {max(drafts)} = {window + max(drafts)} "
-                f"ring records, above {_MAX_CAPACITY} (one lane per record)")
+                f"ring records, above {MAX_CAPACITY} (one lane per record)")
     return None
 
 

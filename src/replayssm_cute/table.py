@@ -42,10 +42,10 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import checks
+from .kernels.limits import PLAN_COLUMNS
 
 __all__ = ["SequenceTable", "StepPlan"]
 
-PLAN_COLUMNS = 4  # slot, h, origin, sr_writes
 
 
 class StepPlan(NamedTuple):

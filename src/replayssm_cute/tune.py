@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
+from .kernels.limits import MAX_CAPACITY, MAX_DRAFT
 from .models import MODELS, ModelSpec, get_model
 from .precompile import config_label, init_worker, path_error
 from .runtime.tuning import BATCH_BUCKETS, MODES
@@ -67,8 +68,6 @@ from .runtime.tuning import BATCH_BUCKETS, MODES
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # the 16-bit activations the byte model counts
 READ_COPIES = ("fp16", "fp8", "nvfp4")
 DEFAULT_MODES = "conventional,standard"
-MAX_DRAFTS = 16  # verify's limit
-MAX_RING = 32  # window + drafts: one lane per ring record
 SCREEN_REPLAYS = 3
 FINALISTS = 4
 # Candidate outputs must match the default config's to this fraction of the largest magnitude
@@ -681,17 +680,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--dtypes: unknown dtype {d!r}; use {', '.join(DTYPES)}")
     if not dtypes:
         parser.error(f"--dtypes: give at least one of {', '.join(DTYPES)}")
-    if not 2 <= args.window <= MAX_RING:
-        parser.error(f"--window must be in 2..{MAX_RING} (window 1 is the conventional mode)")
+    if not 2 <= args.window <= MAX_CAPACITY:
+        parser.error(f"--window must be in 2..{MAX_CAPACITY} (window 1 is the conventional mode)")
     drafts = []
     if "verify" in modes:
         if args.drafts is None:
             parser.error("--modes verify: give the draft counts with --drafts, e.g. --drafts 4,8")
         drafts = _int_list(parser, "--drafts", args.drafts)
         for T in drafts:
-            if not 1 <= T <= min(MAX_DRAFTS, args.window) or args.window + T > MAX_RING:
-                parser.error(f"--drafts: draft count {T} outside 1..min({MAX_DRAFTS}, window {args.window}) "
-                             f"with window + T <= {MAX_RING}")
+            if not 1 <= T <= min(MAX_DRAFT, args.window) or args.window + T > MAX_CAPACITY:
+                parser.error(f"--drafts: draft count {T} outside 1..min({MAX_DRAFT}, window {args.window}) "
+                             f"with window + T <= {MAX_CAPACITY}")
     elif args.drafts is not None:
         parser.error("--drafts: only used by the verify mode; add verify to --modes")
     for flag, value, low in (("--replays", args.replays, 1), ("--workers", args.workers, 1), ("--pool-mb", args.pool_mb, 0)):
