@@ -239,6 +239,18 @@ class GDNPipelinedDecode:
             copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
             copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            # The next item's scalars and q, k, v are loaded one item ahead (none waits on
+            # anything), so their latency hides behind the wait for a free stage.
+            kq_per_lane = (K + 31) // 32  # lane: q and k elements lane, lane + 32, ...
+            v_per_lane = (R + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
+            rQ = cute.make_rmem_tensor((kq_per_lane,), Float32)
+            rK = cute.make_rmem_tensor((kq_per_lane,), Float32)
+            rV = cute.make_rmem_tensor((v_per_lane,), Float32)
+            rQn = cute.make_rmem_tensor((kq_per_lane,), Float32)
+            rKn = cute.make_rmem_tensor((kq_per_lane,), Float32)
+            rVn = cute.make_rmem_tensor((v_per_lane,), Float32)
+            slot, h, origin, a_raw, b_raw, a_log, bias = self.item_inputs(
+                cutlass.min(bid, total - 1), mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias, rQ, rK, rV)
             it = Int32(0)
             for item in cutlass.range(bid, total, grid, unroll=1):
                 row = item // (HV * parts)
@@ -247,32 +259,9 @@ class GDNPipelinedDecode:
                 khead = vhead // rep
                 stage = it % ST
                 phase = (it // ST) % 2
-                # Row-indexed loads first (none waits on the slot): scalars and this token's
-                # q, k (lane: K / 32 elements each) and v (R / 32 rows each).
-                slot = mSlot[row]
-                h = Int32(0)
-                origin = Int32(0)
-                if cutlass.const_expr(ring):
-                    h = mPlan[row, 1]
-                    origin = mPlan[row, 2]
-                a_raw = mA[row, vhead].to(Float32)
-                b_raw = mB[row, vhead].to(Float32)
-                a_log = mALog[vhead].to(Float32)
-                bias = mDtBias[vhead].to(Float32)
-                kq_per_lane = (K + 31) // 32
-                rQ = cute.make_rmem_tensor((kq_per_lane,), Float32)
-                rK = cute.make_rmem_tensor((kq_per_lane,), Float32)
-                for e in cutlass.range_constexpr(kq_per_lane):
-                    col = e * 32 + lane
-                    if col < K:
-                        rQ[e] = mQ[row, khead, col].to(Float32)
-                        rK[e] = mK[row, khead, col].to(Float32)
-                v_per_lane = (R + 31) // 32
-                rV = cute.make_rmem_tensor((v_per_lane,), Float32)
-                for e in cutlass.range_constexpr(v_per_lane):
-                    vr = e * 32 + lane
-                    if vr < R:
-                        rV[e] = mV[row, vhead, part * R + vr].to(Float32)
+                slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n = self.item_inputs(
+                    cutlass.min(item + grid, total - 1), mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
+                    rQn, rKn, rVn)
                 live = slot_is_live(slot, num_slots, s.pad_slot_id)
                 cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
                 for e in cutlass.range_constexpr(kq_per_lane):
@@ -327,6 +316,10 @@ class GDNPipelinedDecode:
                     box = (slot * HV + vhead) * parts + part
                     cute.copy(tma_state, t_g[None, box], t_s[None, stage], tma_bar_ptr=full + stage)
                 cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                slot, h, origin, a_raw, b_raw, a_log, bias = slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n
+                rQ.store(rQn.load())
+                rK.store(rKn.load())
+                rV.store(rVn.load())
                 it = it + 1
         else:
             # ------------------------------------------------------------ consumers
@@ -472,6 +465,35 @@ class GDNPipelinedDecode:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty + stage)
                 it = it + 1
+
+
+    @cute.jit
+    def item_inputs(self, item: Int32, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
+                    rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor):
+        """(slot, h, origin, raw gates a and b, A_log, dt_bias) of work item ``item``; this lane's
+        elements of its q, k (K / 32 each) and v (R / 32) into ``rQ``, ``rK``, ``rV`` (fp32)."""
+        s, c = self.shape, self.config
+        HV, K, R = s.num_v_heads, s.head_k_dim, c.rows_per_item
+        parts = s.head_v_dim // R
+        lane = cute.arch.lane_idx()
+        row = item // (HV * parts)
+        vhead = (item // parts) % HV
+        part = item % parts
+        khead = vhead // (HV // s.num_k_heads)
+        h = Int32(0)
+        origin = Int32(0)
+        if cutlass.const_expr(s.window > 1):
+            h = mPlan[row, 1]
+            origin = mPlan[row, 2]
+        for e in cutlass.range_constexpr(cute.size(rQ)):
+            if e * 32 + lane < K:
+                rQ[e] = mQ[row, khead, e * 32 + lane].to(Float32)
+                rK[e] = mK[row, khead, e * 32 + lane].to(Float32)
+        for e in cutlass.range_constexpr(cute.size(rV)):
+            if e * 32 + lane < R:
+                rV[e] = mV[row, vhead, part * R + e * 32 + lane].to(Float32)
+        return (mSlot[row], h, origin, mA[row, vhead].to(Float32), mB[row, vhead].to(Float32),
+                mALog[vhead].to(Float32), mDtBias[vhead].to(Float32))
 
 
 def compile_pipelined_decode(shape: GDNShape, config: GDNPipeConfig, options: str):

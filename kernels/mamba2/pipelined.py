@@ -236,6 +236,10 @@ class Mamba2PipelinedDecode:
             )
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            # The scalars of the CTA's next item are loaded one item ahead (none waits on
+            # anything), so their latency hides behind the wait for a free stage.
+            slot, h, origin, dt_raw, A, D, bias = self.item_scalars(
+                cutlass.min(bid, total - 1), mSlot, mPlan, mDt, mA, mD, mDtBias)
             it = Int32(0)
             for item in cutlass.range(bid, total, grid, unroll=1):
                 row = item // H
@@ -243,21 +247,8 @@ class Mamba2PipelinedDecode:
                 group = head // heads_per_group
                 stage = it % ST
                 phase = (it // ST) % 2
-                # The item's scalars: independent loads, issued before the wait for the stage.
-                slot = mSlot[row]
-                h = Int32(0)
-                origin = Int32(0)
-                if cutlass.const_expr(ring):
-                    h = mPlan[row, 1]
-                    origin = mPlan[row, 2]
-                dt_raw = mDt[row, head].to(Float32)
-                A = mA[head]
-                D = Float32(0.0)
-                if cutlass.const_expr(s.has_D):
-                    D = mD[head]
-                bias = Float32(0.0)
-                if cutlass.const_expr(s.has_dt_bias):
-                    bias = mDtBias[head]
+                slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n = self.item_scalars(
+                    cutlass.min(item + grid, total - 1), mSlot, mPlan, mDt, mA, mD, mDtBias)
                 live = slot_is_live(slot, num_slots, s.pad_slot_id)
                 cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
                 if live:
@@ -316,6 +307,7 @@ class Mamba2PipelinedDecode:
                     # the whole warp: the TMA copy elects its issuing lane (elect.sync)
                     cute.copy(tma_state, t_g[None, slot * H + head], t_s[None, stage], tma_bar_ptr=full + stage)
                 cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                slot, h, origin, dt_raw, A, D, bias = slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n
                 it = it + 1
         else:
             # ------------------------------------------------------------ consumers
@@ -457,6 +449,26 @@ class Mamba2PipelinedDecode:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty + stage)
                 it = it + 1
+
+
+    @cute.jit
+    def item_scalars(self, item: Int32, mSlot, mPlan, mDt, mA, mD, mDtBias):
+        """(slot, h, origin, raw dt, A, D, dt_bias) of work item ``item`` (row-indexed loads)."""
+        s = self.shape
+        row = item // s.nheads
+        head = item % s.nheads
+        h = Int32(0)
+        origin = Int32(0)
+        if cutlass.const_expr(s.window > 1):
+            h = mPlan[row, 1]
+            origin = mPlan[row, 2]
+        D = Float32(0.0)
+        if cutlass.const_expr(s.has_D):
+            D = mD[head]
+        bias = Float32(0.0)
+        if cutlass.const_expr(s.has_dt_bias):
+            bias = mDtBias[head]
+        return mSlot[row], h, origin, mDt[row, head].to(Float32), mA[head], D, bias
 
 
 def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, options: str):
