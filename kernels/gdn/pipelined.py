@@ -426,7 +426,9 @@ class GDNPipelinedDecode:
                         rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
                         for r in cutlass.range_constexpr(RW):
                             rS = cute.make_rmem_tensor((vec,), Float32)
-                            cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                            rS.fill(0.0)
+                            if lane < KL:  # lanes past K hold nothing (K < 32 vec)
+                                cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
                             coef = cute.arch.shuffle_sync(u, r)
                             for e in cutlass.range_constexpr(vec):
                                 rAcc[r, e] = gamma * rS[e] + coef * rK[e]
@@ -437,11 +439,13 @@ class GDNPipelinedDecode:
                                 w = cute.arch.shuffle_sync(w_j, j)
                                 u_p = sRingU[p, r0 + lr, stage].to(Float32)
                                 coef_p = cutlass.select_(live_p, w * u_p, Float32(0.0))
-                                rKey = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
                                 rKp = cute.make_rmem_tensor((vec,), Float32)
-                                for e in cutlass.range_constexpr(vec):
-                                    rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
+                                rKp.fill(0.0)
+                                if lane < KL:
+                                    rKey = cute.make_rmem_tensor((vec,), act)
+                                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                                    for e in cutlass.range_constexpr(vec):
+                                        rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
                                 for r in cutlass.range_constexpr(RW):
                                     coef = cute.arch.shuffle_sync(coef_p, r)
                                     for e in cutlass.range_constexpr(vec):
