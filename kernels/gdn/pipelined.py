@@ -42,6 +42,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from ..pipeline import (acquire_stage, as_column, box_partition, copy_rows_async, publish_stage, release_stage,
+                        stage_barriers, stage_of, staged, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
 
@@ -206,36 +208,23 @@ class GDNPipelinedDecode:
         # reads, this token's q, k, v (fp32) and the item's scalars; a full and an empty
         # mbarrier per stage.
         smem = SmemAllocator()
-        sState = smem.allocate_tensor(Float32, cute.make_layout((R, K, ST), stride=(K, 1, R * K)), byte_alignment=128)
+        sState = staged(smem, Float32, (R, K), ST, byte_alignment=128)
         sRingU = None
         sRingK = None
         if cutlass.const_expr(ring):
-            sRingU = smem.allocate_tensor(cutlass.Float16, cute.make_layout((cap, R, ST), stride=(R, 1, cap * R)),
-                                          byte_alignment=16)
-            sRingK = smem.allocate_tensor(act, cute.make_layout((cap, K, ST), stride=(K, 1, cap * K)), byte_alignment=16)
-        sQ = smem.allocate_tensor(Float32, cute.make_layout((K, ST), stride=(1, K)), byte_alignment=16)
-        sK = smem.allocate_tensor(Float32, cute.make_layout((K, ST), stride=(1, K)), byte_alignment=16)
-        sV = smem.allocate_tensor(Float32, cute.make_layout((R, ST), stride=(1, R)), byte_alignment=16)
-        sRingG = smem.allocate_tensor(Float32, cute.make_layout((32, ST), stride=(1, 32)), byte_alignment=16)
-        sMetaI = smem.allocate_tensor(Int32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
-        sMetaF = smem.allocate_tensor(Float32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
-        full = smem.allocate_array(Int64, ST, byte_alignment=8)
-        empty = smem.allocate_array(Int64, ST, byte_alignment=8)
-
-        if tidx == 0:
-            for st in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(full + st, 33)  # 32 producer lanes' arrivals + the TMA arrival
-                cute.arch.mbarrier_init(empty + st, CW)  # one arrival per consumer warp
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+            sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
+            sRingK = staged(smem, act, (cap, K), ST)
+        sQ = staged(smem, Float32, (K,), ST)
+        sK = staged(smem, Float32, (K,), ST)
+        sV = staged(smem, Float32, (R,), ST)
+        sRingG = staged(smem, Float32, (32,), ST)
+        sMetaI = staged(smem, Int32, (META,), ST)
+        sMetaF = staged(smem, Float32, (META,), ST)
+        full, empty = stage_barriers(smem, ST, CW)
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            g_boxes = cute.local_tile(mStateTma, (R, K), (None, 0))
-            t_s, t_g = cpasync.tma_partition(
-                tma_state, 0, cute.make_layout(1),
-                cute.group_modes(sState, 0, 2), cute.group_modes(g_boxes, 0, 2),
-            )
+            t_s, t_g = box_partition(tma_state, mStateTma, sState, (R, K))
             copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
             copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
@@ -257,13 +246,12 @@ class GDNPipelinedDecode:
                 vhead = (item // parts) % HV
                 part = item % parts
                 khead = vhead // rep
-                stage = it % ST
-                phase = (it // ST) % 2
+                stage, phase = stage_of(it, ST)
                 slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n = self.item_inputs(
                     cutlass.min(item + grid, total - 1), mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
                     rQn, rKn, rVn)
                 live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+                acquire_stage(empty, stage, phase)
                 for e in cutlass.range_constexpr(kq_per_lane):
                     col = e * 32 + lane
                     if col < K:
@@ -273,30 +261,15 @@ class GDNPipelinedDecode:
                     vr = e * 32 + lane
                     if vr < R:
                         sV[vr, stage] = rV[e]
-                if live:
-                    slot64 = Int64(slot)
-                    if cutlass.const_expr(ring):
-                        # every ring position (no load waits on h); stale ones weigh zero in use
-                        u_chunks = cap * (R // u_per16)
-                        for kk in cutlass.range_constexpr((u_chunks + 31) // 32):
-                            chunk = kk * 32 + lane
-                            if chunk < u_chunks:
-                                pos = chunk // (R // u_per16)
-                                piece = chunk % (R // u_per16)
-                                cute.copy(copy_u, cute.local_tile(mRingU[slot64, pos, vhead, None], (u_per16,),
-                                                                  (part * (R // u_per16) + piece,)),
-                                          cute.local_tile(sRingU[pos, None, stage], (u_per16,), (piece,)))
-                        k_chunks = cap * (K // k_per16)
-                        for kk in cutlass.range_constexpr((k_chunks + 31) // 32):
-                            chunk = kk * 32 + lane
-                            if chunk < k_chunks:
-                                pos = chunk // (K // k_per16)
-                                piece = chunk % (K // k_per16)
-                                cute.copy(copy_k, cute.local_tile(mRingK[slot64, pos, khead, None], (k_per16,), (piece,)),
-                                          cute.local_tile(sRingK[pos, None, stage], (k_per16,), (piece,)))
-                        if lane < cap:
-                            cute.copy(copy4, cute.local_tile(mRingG[slot64, None, vhead], (1,), (lane,)),
-                                      cute.local_tile(sRingG[None, stage], (1,), (lane,)))
+                if cutlass.const_expr(ring):
+                    if live:
+                        # every ring position (no load waits on h; stale ones weigh zero where used)
+                        slot64 = Int64(slot)
+                        copy_rows_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R), (0, part)),
+                                        sRingU[None, None, stage], u_per16)
+                        copy_rows_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage], k_per16)
+                        copy_rows_async(copy4, as_column(mRingG[slot64, None, vhead]),
+                                        as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1)
                 if lane == 0:
                     sMetaI[0, stage] = slot
                     sMetaI[1, stage] = h
@@ -305,17 +278,8 @@ class GDNPipelinedDecode:
                     sMetaF[1, stage] = b_raw
                     sMetaF[2, stage] = a_log
                     sMetaF[3, stage] = bias
-                cute.arch.sync_warp()  # every lane's stores to the stage precede lane 0's release
-                if lane == 0:
-                    if live:
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
-                    else:
-                        cute.arch.mbarrier_arrive(full + stage)
-                if live:
-                    # the whole warp: the TMA copy elects its issuing lane (elect.sync)
-                    box = (slot * HV + vhead) * parts + part
-                    cute.copy(tma_state, t_g[None, box], t_s[None, stage], tma_bar_ptr=full + stage)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, (slot * HV + vhead) * parts + part],
+                              t_s[None, stage])
                 slot, h, origin, a_raw, b_raw, a_log, bias = slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n
                 rQ.store(rQn.load())
                 rK.store(rKn.load())
@@ -334,9 +298,8 @@ class GDNPipelinedDecode:
                 vhead = (item // parts) % HV
                 part = item % parts
                 khead = vhead // rep
-                stage = it % ST
-                phase = (it // ST) % 2
-                cute.arch.mbarrier_wait(full + stage, phase)
+                stage, phase = stage_of(it, ST)
+                wait_stage(full, stage, phase)
                 slot = sMetaI[0, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
@@ -465,9 +428,7 @@ class GDNPipelinedDecode:
                                         mRingK[slot64, pos_h, khead, lane * vec + e] = rK[e].to(act)
                                 if lane == 0:
                                     mRingG[slot64, pos_h, vhead] = g
-                cute.arch.sync_warp()  # every lane's reads of the stage are done
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + stage)
+                release_stage(empty, stage)
                 it = it + 1
 
 

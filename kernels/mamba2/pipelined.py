@@ -46,6 +46,8 @@ from cutlass.memory import SmemAllocator
 
 from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, softplus, warp_reduce_many, warp_sum
 from ..config_space import launch_check
+from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_rows_async, publish_stage, release_stage,
+                        stage_barriers, stage_of, staged, wait_stage)
 from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
@@ -204,36 +206,24 @@ class Mamba2PipelinedDecode:
         # Shared memory, declared once: per stage the item's state tile, ring records, this
         # token's activations and scalars; a full and an empty mbarrier per stage.
         smem = SmemAllocator()
-        sState = smem.allocate_tensor(Float32, cute.make_layout((P, N, ST), stride=(N, 1, P * N)), byte_alignment=128)
+        sState = staged(smem, Float32, (P, N), ST, byte_alignment=128)
         sRingX = None
         sRingB = None
         if cutlass.const_expr(ring):
-            sRingX = smem.allocate_tensor(act, cute.make_layout((cap, P, ST), stride=(P, 1, cap * P)), byte_alignment=16)
-            sRingB = smem.allocate_tensor(act, cute.make_layout((cap, N, ST), stride=(N, 1, cap * N)), byte_alignment=16)
-        sX = smem.allocate_tensor(act, cute.make_layout((P, ST), stride=(1, P)), byte_alignment=16)
-        sZ = smem.allocate_tensor(act, cute.make_layout((P, ST), stride=(1, P)), byte_alignment=16)
-        sB = smem.allocate_tensor(act, cute.make_layout((N, ST), stride=(1, N)), byte_alignment=16)
-        sC = smem.allocate_tensor(act, cute.make_layout((N, ST), stride=(1, N)), byte_alignment=16)
-        sRingDt = smem.allocate_tensor(Float32, cute.make_layout((32, ST), stride=(1, 32)), byte_alignment=16)
-        sMetaI = smem.allocate_tensor(Int32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
-        sMetaF = smem.allocate_tensor(Float32, cute.make_layout((META, ST), stride=(1, META)), byte_alignment=16)
-        full = smem.allocate_array(Int64, ST, byte_alignment=8)
-        empty = smem.allocate_array(Int64, ST, byte_alignment=8)
-
-        if tidx == 0:
-            for st in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(full + st, 33)  # 32 producer lanes' cp.async + the TMA arrival
-                cute.arch.mbarrier_init(empty + st, CW)  # one arrival per consumer warp
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+            sRingX = staged(smem, act, (cap, P), ST)
+            sRingB = staged(smem, act, (cap, N), ST)
+        sX = staged(smem, act, (P,), ST)
+        sZ = staged(smem, act, (P,), ST)
+        sB = staged(smem, act, (N,), ST)
+        sC = staged(smem, act, (N,), ST)
+        sRingDt = staged(smem, Float32, (32,), ST)
+        sMetaI = staged(smem, Int32, (META,), ST)
+        sMetaF = staged(smem, Float32, (META,), ST)
+        full, empty = stage_barriers(smem, ST, CW)
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            g_boxes = cute.local_tile(mStateTma, (P, N), (None, 0))
-            t_s, t_g = cpasync.tma_partition(
-                tma_state, 0, cute.make_layout(1),
-                cute.group_modes(sState, 0, 2), cute.group_modes(g_boxes, 0, 2),
-            )
+            t_s, t_g = box_partition(tma_state, mStateTma, sState, (P, N))
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             # The scalars of the CTA's next item are loaded one item ahead (none waits on
@@ -245,51 +235,25 @@ class Mamba2PipelinedDecode:
                 row = item // H
                 head = item % H
                 group = head // heads_per_group
-                stage = it % ST
-                phase = (it // ST) % 2
+                stage, phase = stage_of(it, ST)
                 slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n = self.item_scalars(
                     cutlass.min(item + grid, total - 1), mSlot, mPlan, mDt, mA, mD, mDtBias)
                 live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+                acquire_stage(empty, stage, phase)
                 if live:
                     slot64 = Int64(slot)
-                    # this token's activations, 16 bytes a lane
-                    for k in cutlass.range_constexpr((P // per16 + 31) // 32):
-                        chunk = k * 32 + lane
-                        if chunk < P // per16:
-                            cute.copy(copy16, cute.local_tile(mX[row, head, None], (per16,), (chunk,)),
-                                      cute.local_tile(sX[None, stage], (per16,), (chunk,)))
-                            if cutlass.const_expr(s.has_z):
-                                cute.copy(copy16, cute.local_tile(mZ[row, head, None], (per16,), (chunk,)),
-                                          cute.local_tile(sZ[None, stage], (per16,), (chunk,)))
-                    for k in cutlass.range_constexpr((N // per16 + 31) // 32):
-                        chunk = k * 32 + lane
-                        if chunk < N // per16:
-                            cute.copy(copy16, cute.local_tile(mB[row, group, None], (per16,), (chunk,)),
-                                      cute.local_tile(sB[None, stage], (per16,), (chunk,)))
-                            cute.copy(copy16, cute.local_tile(mC[row, group, None], (per16,), (chunk,)),
-                                      cute.local_tile(sC[None, stage], (per16,), (chunk,)))
+                    # this token's activations and every ring position's records (no load waits
+                    # on h; stale positions weigh zero where used), 16 bytes a lane
+                    copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
+                    if cutlass.const_expr(s.has_z):
+                        copy_rows_async(copy16, as_row(mZ[row, head, None]), as_row(sZ[None, stage]), per16)
+                    copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sB[None, stage]), per16)
+                    copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
                     if cutlass.const_expr(ring):
-                        # every ring position (no load waits on h); stale ones weigh zero in use
-                        x_chunks = cap * (P // per16)
-                        for k in cutlass.range_constexpr((x_chunks + 31) // 32):
-                            chunk = k * 32 + lane
-                            if chunk < x_chunks:
-                                pos = chunk // (P // per16)
-                                part = chunk % (P // per16)
-                                cute.copy(copy16, cute.local_tile(mRingX[slot64, pos, head, None], (per16,), (part,)),
-                                          cute.local_tile(sRingX[pos, None, stage], (per16,), (part,)))
-                        b_chunks = cap * (N // per16)
-                        for k in cutlass.range_constexpr((b_chunks + 31) // 32):
-                            chunk = k * 32 + lane
-                            if chunk < b_chunks:
-                                pos = chunk // (N // per16)
-                                part = chunk % (N // per16)
-                                cute.copy(copy16, cute.local_tile(mRingB[slot64, pos, group, None], (per16,), (part,)),
-                                          cute.local_tile(sRingB[pos, None, stage], (per16,), (part,)))
-                        if lane < cap:
-                            cute.copy(copy4, cute.local_tile(mRingDt[slot64, None, head], (1,), (lane,)),
-                                      cute.local_tile(sRingDt[None, stage], (1,), (lane,)))
+                        copy_rows_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage], per16)
+                        copy_rows_async(copy16, mRingB[slot64, None, group, None], sRingB[None, None, stage], per16)
+                        copy_rows_async(copy4, as_column(mRingDt[slot64, None, head]),
+                                        as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1)
                 if lane == 0:
                     sMetaI[0, stage] = slot
                     sMetaI[1, stage] = h
@@ -298,15 +262,7 @@ class Mamba2PipelinedDecode:
                     sMetaF[1, stage] = A
                     sMetaF[2, stage] = D
                     sMetaF[3, stage] = bias
-                    # the release of this arrival publishes the scalars above
-                    if live:
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
-                    else:
-                        cute.arch.mbarrier_arrive(full + stage)
-                if live:
-                    # the whole warp: the TMA copy elects its issuing lane (elect.sync)
-                    cute.copy(tma_state, t_g[None, slot * H + head], t_s[None, stage], tma_bar_ptr=full + stage)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, slot * H + head], t_s[None, stage])
                 slot, h, origin, dt_raw, A, D, bias = slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n
                 it = it + 1
         else:
@@ -323,9 +279,8 @@ class Mamba2PipelinedDecode:
                 row = item // H
                 head = item % H
                 group = head // heads_per_group
-                stage = it % ST
-                phase = (it // ST) % 2
-                cute.arch.mbarrier_wait(full + stage, phase)
+                stage, phase = stage_of(it, ST)
+                wait_stage(full, stage, phase)
                 slot = sMetaI[0, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
@@ -445,9 +400,7 @@ class Mamba2PipelinedDecode:
                         if cutlass.const_expr(ring):
                             if not flush:
                                 mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
-                cute.arch.sync_warp()  # every lane's reads of the stage are done
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + stage)
+                release_stage(empty, stage)
                 it = it + 1
 
 

@@ -1,0 +1,119 @@
+"""The stage protocol of the persistent, warp-specialised decode kernels (kernels/*/pipelined.py).
+
+A CTA keeps ``stages`` shared-memory stages, each with a *full* mbarrier (the producer warp's 32
+lanes arrive through ``cp.async.mbarrier.arrive.noinc`` once their copies land, and lane 0 once
+more, carrying the TMA box's bytes) and an *empty* one (one arrival per consumer warp). Work item
+number ``it`` of a CTA uses stage ``it % stages`` in phase ``(it // stages) % 2``: the producer
+waits for the stage's previous use to be released (``acquire_stage``), fills it and publishes it
+(``publish_stage``); the consumers wait for it (``wait_stage``) and release it (``release_stage``).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync
+
+PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
+
+
+def staged(smem, dtype, dims: tuple, stages: int, byte_alignment: int = 16) -> cute.Tensor:
+    """A shared-memory tensor ``dims + (stages,)``: one row-major ``dims`` block per stage."""
+    strides, step = [], 1
+    for d in reversed(dims):
+        strides.insert(0, step)
+        step *= d
+    return smem.allocate_tensor(dtype, cute.make_layout(tuple(dims) + (stages,), stride=tuple(strides) + (step,)),
+                                byte_alignment=byte_alignment)
+
+
+@cute.jit
+def stage_barriers(smem, stages: cutlass.Constexpr[int], consumer_warps: cutlass.Constexpr[int]):
+    """(full, empty): every stage's two mbarriers, initialised by thread 0 before the CTA goes on."""
+    full = smem.allocate_array(Int64, stages, byte_alignment=8)
+    empty = smem.allocate_array(Int64, stages, byte_alignment=8)
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        for st in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(full + st, PRODUCER_ARRIVALS)
+            cute.arch.mbarrier_init(empty + st, consumer_warps)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return full, empty
+
+
+def box_partition(tma_atom: cute.CopyAtom, mTma: cute.Tensor, sBoxes: cute.Tensor, box: tuple):
+    """(tDst, tSrc) of the TMA atom: ``tDst[None, stage]`` a stage of ``sBoxes`` (box + stages),
+    ``tSrc[None, i]`` box i of the global rows view ``mTma`` (``common.make_row_tma``)."""
+    g_boxes = cute.local_tile(mTma, box, (None, 0))
+    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sBoxes, 0, 2),
+                                 cute.group_modes(g_boxes, 0, 2))
+
+
+@cute.jit
+def stage_of(it: Int32, stages: cutlass.Constexpr[int]):
+    """(stage, phase) of a CTA's work item number ``it``."""
+    return it % stages, (it // stages) % 2
+
+
+@cute.jit
+def acquire_stage(empty: cute.Pointer, stage: Int32, phase: Int32):
+    """Producer: wait until the consumers released the stage's previous use (none at first)."""
+    cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+
+
+@cute.jit
+def publish_stage(full: cute.Pointer, stage: Int32, live, state_bytes: cutlass.Constexpr[int], tma_atom: cute.CopyAtom,
+                  tSrc: cute.Tensor, tDst: cute.Tensor):
+    """Producer (whole warp), after its copies and lane 0's scalar stores into the stage: lane 0
+    arrives (with the box's bytes if ``live``), the warp issues the TMA box ``tSrc`` -> ``tDst``
+    if ``live`` (its elect.sync must see every lane: in a one-lane branch it deadlocks once a
+    stage is reused), and every lane's cp.async arrival follows its copies."""
+    cute.arch.sync_warp()  # every lane's plain stores into the stage precede lane 0's release
+    if cute.arch.lane_idx() == 0:
+        if live:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
+        else:
+            cute.arch.mbarrier_arrive(full + stage)
+    if live:
+        cute.copy(tma_atom, tSrc, tDst, tma_bar_ptr=full + stage)
+    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+
+
+@cute.jit
+def wait_stage(full: cute.Pointer, stage: Int32, phase: Int32):
+    """Consumer: wait until the producer's copies into the stage have landed."""
+    cute.arch.mbarrier_wait(full + stage, phase)
+
+
+@cute.jit
+def release_stage(empty: cute.Pointer, stage: Int32):
+    """Consumer warp: once every lane is done reading the stage, one arrival frees it."""
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        cute.arch.mbarrier_arrive(empty + stage)
+
+
+@cute.jit
+def copy_rows_async(atom: cute.CopyAtom, gRows: cute.Tensor, sRows: cute.Tensor, piece: cutlass.Constexpr[int]):
+    """The producer warp copies the (rows, cols) tensor ``gRows`` into ``sRows`` with cp.async,
+    ``piece`` elements (the atom's 16 bytes) at a time, the pieces spread over the lanes."""
+    lane = cute.arch.lane_idx()
+    rows, cols = cute.size(gRows, mode=[0]), cute.size(gRows, mode=[1])
+    per_row = cols // piece
+    count = rows * per_row
+    for k in cutlass.range_constexpr((count + 31) // 32):
+        chunk = k * 32 + lane
+        if chunk < count:
+            r = chunk // per_row
+            c = chunk % per_row
+            cute.copy(atom, cute.local_tile(gRows[r, None], (piece,), (c,)), cute.local_tile(sRows[r, None], (piece,), (c,)))
+
+
+def as_row(t: cute.Tensor) -> cute.Tensor:
+    """A 1-D tensor as a (1, n) one, for ``copy_rows_async``."""
+    return cute.make_tensor(t.iterator, cute.make_layout((1, cute.size(t)), stride=(0, t.layout.stride[0])))
+
+
+def as_column(t: cute.Tensor) -> cute.Tensor:
+    """A 1-D tensor as an (n, 1) one, for ``copy_rows_async`` with one element per piece."""
+    return cute.make_tensor(t.iterator, cute.make_layout((cute.size(t), 1), stride=(t.layout.stride[0], 0)))
