@@ -50,16 +50,18 @@ from .runtime import launch
 from .table import StepPlan
 
 
-def _check_config(layer, cache, config) -> None:
-    """``config`` is None or the launch config class of the cache's layer, on every path (the CPU
-    reference has no launch config and ignores a valid one). Imports the kernels' module, and
-    with it cutlass, only when a config is given."""
+def _check_config(layer, cache, op: str, config) -> None:
+    """``config`` is None or a launch config class of the cache's layer for ``op`` (decode also
+    takes the pipelined kernel's), on every path (the CPU reference has no launch config and
+    ignores a valid one). Imports the kernels' modules, and with them cutlass, only when a config
+    is given."""
     if config is None:
         return
-    launch_config = layer.launch_config()
-    if not isinstance(config, launch_config):
-        checks.fail("config", f"None or a {launch_config.__name__} (the launch config of the "
-                    f"{type(cache).__name__}'s GPU kernels)", f"{type(config).__name__} {config!r}")
+    classes = layer.launch_configs(op)
+    if not isinstance(config, classes):
+        names = " or ".join(c.__name__ for c in classes)
+        checks.fail("config", f"None or a {names} (a launch config of the {type(cache).__name__}'s GPU {op} "
+                    f"kernels)", f"{type(config).__name__} {config!r}")
 
 
 def _dispatch(op: str, cache, run, args, kwargs):
@@ -73,7 +75,7 @@ def _dispatch(op: str, cache, run, args, kwargs):
     plan = kwargs.get("plan")
     if not (op == "verify" and plan is not None and plan is cache.table.pending):  # a model step's verify
         cache._refuse_while_verify_pending(op)
-    _check_config(layer, cache, kwargs.get("config"))
+    _check_config(layer, cache, op, kwargs.get("config"))
     return _named(op, run, layer, cache, *args, **kwargs)
 
 

@@ -563,3 +563,28 @@ def test_inputs_that_require_grad_are_refused_while_autograd_records(kind, op, n
     for n, t in vars(cache).items():
         if isinstance(t, torch.Tensor):
             assert t.grad_fn is None and not t.requires_grad, n
+
+
+@pytest.mark.parametrize("kind,op", CALLS)
+def test_pipelined_config_is_a_decode_config_only(kind, op):
+    """The pipelined decode's config is taken by decode (on the CPU path, unused) and refused,
+    naming 'config', by every other op, before anything is written."""
+    pytest.importorskip("cutlass")
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+
+    layer = LAYERS[kind](11)
+    cache = _op_cache(layer, op)
+    twin = copy.deepcopy(cache)
+    config = Mamba2PipeConfig() if kind == "mamba2" else GDNPipeConfig()
+    state = copy.deepcopy(layer.g.get_state())
+    if op != "decode":
+        bits = _bits(cache)
+        with pytest.raises(ValueError, match="'config'"):
+            _call(layer, op, cache, IDS, config=config)
+        assert_bits(cache, bits)
+        return
+    out = _call(layer, op, cache, IDS, config=config)
+    layer.g.set_state(state)
+    assert torch.equal(out, _call(layer, op, twin, IDS))
+    assert_bits(cache, _bits(twin))

@@ -5,6 +5,7 @@ default launch configs for an nvfp4 copy (``whole_head``)."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -62,3 +63,13 @@ def random_generators(gen, device):
     """torch.rand and torch.randn (fp32) drawing from `gen` on `device`: the benchmarks' inputs."""
     return (lambda *shape: torch.rand(*shape, generator=gen, device=device),
             lambda *shape: torch.randn(*shape, generator=gen, device=device))
+
+
+def pipelined_opt_in(shape, pipelined_config):
+    """With ``REPLAYSSM_CUTE_PIPELINED=1`` (the pipelined decode, work in progress), its config
+    for ``shape`` (``pipelined_config(shape, SM count)``; None where it cannot take the shape),
+    else None: the tile kernels' defaults serve."""
+    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") != "1":
+        return None
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    return pipelined_config(shape, sm_count)

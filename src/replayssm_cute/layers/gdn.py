@@ -9,7 +9,6 @@ runtime, the Shape of a call, its argument list).
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -17,7 +16,8 @@ import torch
 from .. import checks
 from ..cache import GDNCache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import checkpoint_arg, memoised_shape, random_generators, ring_args, state_copy_args, whole_head
+from .common import (checkpoint_arg, memoised_shape, pipelined_opt_in, random_generators, ring_args, state_copy_args,
+                     whole_head)
 
 
 class GDNInputs(NamedTuple):
@@ -75,14 +75,11 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
 
 def _decode_default(shape, bucket: int):
     from ..kernels.gdn.config import default_gdn_config
+    from ..kernels.gdn.pipelined import pipelined_config
 
-    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") == "1":  # issue 16 work in progress
-        from ..kernels.gdn.pipelined import pipelined_config
-
-        config = pipelined_config(shape, torch.cuda.get_device_properties(0).multi_processor_count
-                                  if torch.cuda.is_available() else 132)
-        if config is not None:
-            return config
+    config = pipelined_opt_in(shape, pipelined_config)
+    if config is not None:
+        return config
     return default_gdn_config(shape.head_v_dim, bucket, shape.window, shape, whole_head(shape))
 
 
@@ -170,6 +167,17 @@ class GDNLayer:
         from ..kernels.gdn.config import GDNConfig
 
         return GDNConfig
+
+    @staticmethod
+    def launch_configs(op: str) -> tuple:
+        """The launch config classes ``op`` takes: decode also the pipelined kernel's (imports cutlass)."""
+        from ..kernels.gdn.config import GDNConfig
+
+        if op != "decode":
+            return (GDNConfig,)
+        from ..kernels.gdn.pipelined import GDNPipeConfig
+
+        return (GDNConfig, GDNPipeConfig)
 
     @staticmethod
     def decode_args(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None, *,

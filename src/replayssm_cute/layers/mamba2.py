@@ -8,7 +8,6 @@ their checks, the CPU reference of each op (replayssm_cute.reference), and each 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -16,7 +15,8 @@ import torch
 from .. import checks
 from ..cache import Mamba2Cache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import checkpoint_arg, memoised_shape, random_generators, ring_args, state_copy_args, whole_head
+from .common import (checkpoint_arg, memoised_shape, pipelined_opt_in, random_generators, ring_args, state_copy_args,
+                     whole_head)
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -63,14 +63,11 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
 
 def _decode_default(shape, bucket: int):
     from ..kernels.mamba2.config import default_mamba2_config
+    from ..kernels.mamba2.pipelined import pipelined_config
 
-    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") == "1":  # issue 16 work in progress
-        from ..kernels.mamba2.pipelined import pipelined_config
-
-        config = pipelined_config(shape, torch.cuda.get_device_properties(0).multi_processor_count
-                                  if torch.cuda.is_available() else 132)
-        if config is not None:
-            return config
+    config = pipelined_opt_in(shape, pipelined_config)
+    if config is not None:
+        return config
     return default_mamba2_config(shape.headdim, bucket, shape.window, whole_head(shape), shape)
 
 
@@ -159,6 +156,17 @@ class Mamba2Layer:
         from ..kernels.mamba2.config import Mamba2Config
 
         return Mamba2Config
+
+    @staticmethod
+    def launch_configs(op: str) -> tuple:
+        """The launch config classes ``op`` takes: decode also the pipelined kernel's (imports cutlass)."""
+        from ..kernels.mamba2.config import Mamba2Config
+
+        if op != "decode":
+            return (Mamba2Config,)
+        from ..kernels.mamba2.pipelined import Mamba2PipeConfig
+
+        return (Mamba2Config, Mamba2PipeConfig)
 
     @staticmethod
     def decode_args(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False, out=None):
