@@ -117,3 +117,27 @@ def as_row(t: cute.Tensor) -> cute.Tensor:
 def as_column(t: cute.Tensor) -> cute.Tensor:
     """A 1-D tensor as an (n, 1) one, for ``copy_rows_async`` with one element per piece."""
     return cute.make_tensor(t.iterator, cute.make_layout((cute.size(t), 1), stride=(t.layout.stride[0], 0)))
+
+
+@cute.jit
+def copy_records_async(atom: cute.CopyAtom, gRecords: cute.Tensor, sRecords: cute.Tensor,
+                       piece: cutlass.Constexpr[int], origin: Int32, h: Int32):
+    """``copy_rows_async`` of a ring's (positions, cols) records, only where a position holds one
+    of the ``h`` committed records (record (p - origin) mod positions); the others are stored as
+    zeros, so a stale value (a NaN of a reused slot, a rejected draft) never reaches a product."""
+    lane = cute.arch.lane_idx()
+    rows, cols = cute.size(gRecords, mode=[0]), cute.size(gRecords, mode=[1])
+    per_row = cols // piece
+    count = rows * per_row
+    rZero = cute.make_rmem_tensor((piece,), sRecords.element_type)
+    rZero.fill(0.0)
+    for k in cutlass.range_constexpr((count + 31) // 32):
+        chunk = k * 32 + lane
+        if chunk < count:
+            r = chunk // per_row
+            c = chunk % per_row
+            dst = cute.local_tile(sRecords[r, None], (piece,), (c,))
+            if (r - origin + rows) % rows < h:
+                cute.copy(atom, cute.local_tile(gRecords[r, None], (piece,), (c,)), dst)
+            else:
+                cute.autovec_copy(rZero, dst)

@@ -44,10 +44,11 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, softplus, warp_reduce_many, warp_sum
+from ..common import (SMEM_PER_CTA, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
+                      slot_rows, softplus, warp_reduce_many, warp_sum)
 from ..config_space import launch_check
-from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_rows_async, publish_stage, release_stage,
-                        stage_barriers, stage_of, staged, wait_stage)
+from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_records_async, copy_rows_async,
+                        publish_stage, release_stage, stage_barriers, stage_of, staged, wait_stage)
 from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
@@ -62,6 +63,7 @@ class Mamba2PipeConfig:
 
     stages: int = 4
     ctas: int = 132
+    mma_fold: bool = True  # a flush folds on tensor cores (16-row warps), else on CUDA cores
 
     def consumer_warps(self, shape: Mamba2Shape) -> int:
         return next(w for w in range(1, shape.headdim + 1)
@@ -70,14 +72,14 @@ class Mamba2PipeConfig:
     def stage_bytes(self, shape: Mamba2Shape) -> int:
         P, N, cap = shape.headdim, shape.dstate, shape.capacity
         act = shape.act_dtype.width // 8
-        ring = (cap * P + cap * N) * act if shape.window > 1 else 0
-        return P * N * 4 + ring + (2 * P + 2 * N) * act + 32 * 4 + 2 * META * 4 + 128
+        ring = cap * P * act if shape.window > 1 else 0
+        return P * N * 4 + ring + key_rows(shape) * N * act + (2 * P + N) * act + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: Mamba2Shape) -> int:
         return self.stages * self.stage_bytes(shape) + 16 * self.stages + 512
 
     def key(self):
-        return ("pipe", self.stages, self.ctas)
+        return ("pipe", self.stages, self.ctas, self.mma_fold)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         reason = launch_check(16, 1, 0)
@@ -92,6 +94,8 @@ class Mamba2PipeConfig:
             return f"headdim {P}: the kernel needs a multiple of 8 up to 256 (one TMA box per head)"
         if shape.capacity > 32:
             return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if self.mma_fold and P % 16:
+            return f"headdim {P}: the tensor-core fold needs 16-row warps (a multiple of 16; mma_fold=False folds on CUDA cores)"
         if not 2 <= self.stages <= 8:
             return f"stages {self.stages}: expected 2..8"
         if not 1 <= self.ctas <= 4096:
@@ -99,6 +103,41 @@ class Mamba2PipeConfig:
         if self.smem_bytes(shape) > SMEM_PER_CTA:
             return f"{self.stages} stages need {self.smem_bytes(shape)} bytes of shared memory (at most {SMEM_PER_CTA})"
         return None
+
+
+def key_rows(shape: Mamba2Shape) -> int:
+    """Rows of a stage's key matrix: this token's B, then B at every ring position, zero rows up
+    to a multiple of 8 (the k of an m16n8k8 MMA)."""
+    return -(-(1 + (shape.capacity if shape.window > 1 else 0)) // 8) * 8
+
+
+def ring_keys(sKeys: cute.Tensor, stage, cap: int, N: int, KR: int) -> cute.Tensor:
+    """Rows 1 .. cap of a stage's key matrix: B at each ring position."""
+    return cute.make_tensor(sKeys[None, None, stage].iterator + N, cute.make_layout((cap, N), stride=(N, 1)))
+
+
+@cute.jit
+def fold_coefficients(sX: cute.Tensor, sRingX: cute.Tensor, stage, p_warp: Int32, dt_cur: Float32, w_j: Float32,
+                      origin: Int32, h: Int32, cap: cutlass.Constexpr[int], KR: cutlass.Constexpr[int],
+                      ring: cutlass.Constexpr[bool]) -> cute.Tensor:
+    """The warp's (16, KR) fold coefficients as m16n8k8 A fragments (4, KR / 8): column 0 this
+    token's dt x[row], column 1 + p the weight of ring position p's record times its x[row] (zero
+    where p holds no committed record), zero columns after."""
+    lane = cute.arch.lane_idx()
+    rCoef = cute.make_rmem_tensor(cute.make_layout((4, KR // 8), stride=(1, 4)), Float32)
+    for kf in cutlass.range_constexpr(KR // 8):
+        for i in cutlass.range_constexpr(4):
+            r = lane // 4 + 8 * (i % 2)
+            k = lane % 4 + 4 * (i // 2) + 8 * kf
+            coef = cutlass.select_(k == 0, dt_cur * sX[p_warp + r, stage].to(Float32), Float32(0.0))
+            if cutlass.const_expr(ring):
+                p = cutlass.min(cutlass.max(k - 1, 0), cap - 1)
+                j = (p - origin + cap) % cap
+                w = cute.arch.shuffle_sync(w_j, j)
+                x_p = sRingX[p, p_warp + r, stage].to(Float32)
+                coef = cutlass.select_((k >= 1) & (k <= cap) & (j < h), w * x_p, coef)
+            rCoef[i, kf] = coef
+    return rCoef
 
 
 @cute.jit
@@ -192,6 +231,7 @@ class Mamba2PipelinedDecode:
         heads_per_group = H // G
         act = s.act_dtype
         ring = L > 1
+        KR = key_rows(s)
         per16 = 128 // act.width  # act elements per 16-byte cp.async
         state_bytes = P * N * 4
 
@@ -208,13 +248,12 @@ class Mamba2PipelinedDecode:
         smem = SmemAllocator()
         sState = staged(smem, Float32, (P, N), ST, byte_alignment=128)
         sRingX = None
-        sRingB = None
         if cutlass.const_expr(ring):
             sRingX = staged(smem, act, (cap, P), ST)
-            sRingB = staged(smem, act, (cap, N), ST)
+        # Keys: row 0 this token's B, row 1 + p the B at ring position p, zero rows after (MMA k).
+        sKeys = staged(smem, act, (KR, N), ST)
         sX = staged(smem, act, (P,), ST)
         sZ = staged(smem, act, (P,), ST)
-        sB = staged(smem, act, (N,), ST)
         sC = staged(smem, act, (N,), ST)
         sRingDt = staged(smem, Float32, (32,), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
@@ -224,6 +263,12 @@ class Mamba2PipelinedDecode:
         if warp == 0:
             # ------------------------------------------------------------ producer
             t_s, t_g = box_partition(tma_state, mStateTma, sState, (P, N))
+            # key rows past the ring stay zero (published with each stage's first use)
+            first_pad = 1 + cap if ring else 1
+            for st in cutlass.range_constexpr(ST):
+                for r in cutlass.range_constexpr(first_pad, KR):
+                    for v in cutlass.range_constexpr(N // 32):
+                        sKeys[r, lane * (N // 32) + v, st] = act(0.0)
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             # The scalars of the CTA's next item are loaded one item ahead (none waits on
@@ -247,13 +292,16 @@ class Mamba2PipelinedDecode:
                     copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
                     if cutlass.const_expr(s.has_z):
                         copy_rows_async(copy16, as_row(mZ[row, head, None]), as_row(sZ[None, stage]), per16)
-                    copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sB[None, stage]), per16)
+                    copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
                     copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
                     if cutlass.const_expr(ring):
-                        copy_rows_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage], per16)
-                        copy_rows_async(copy16, mRingB[slot64, None, group, None], sRingB[None, None, stage], per16)
-                        copy_rows_async(copy4, as_column(mRingDt[slot64, None, head]),
-                                        as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1)
+                        # the live records only (h is known an item ahead); stale positions as zeros
+                        copy_records_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage],
+                                           per16, origin, h)
+                        copy_records_async(copy16, mRingB[slot64, None, group, None],
+                                           ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
+                        copy_records_async(copy4, as_column(mRingDt[slot64, None, head]),
+                                           as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1, origin, h)
                 if lane == 0:
                     sMetaI[0, stage] = slot
                     sMetaI[1, stage] = h
@@ -298,7 +346,7 @@ class Mamba2PipelinedDecode:
                     x_raw = sX[p_warp + lr, stage]
                     x_cur = x_raw.to(Float32)
                     rC = load_slice(sC[None, stage], lane, vec)
-                    rBa = load_slice(sB[None, stage], lane, vec)
+                    rBa = load_slice(sKeys[0, None, stage], lane, vec)
 
                     # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
                     dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
@@ -314,77 +362,75 @@ class Mamba2PipelinedDecode:
                     w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
                     gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
-                    ring_term = Float32(0.0)
-                    y_row = Float32(0.0)  # lane r: S[p_r] . C of the state the output reads
-                    if flush:
-                        # S = gamma S + dt x B (this token) + sum over live positions of
-                        # w_j x_j B_j, for the warp's rows held in registers; stale positions
-                        # weigh zero and their B is replaced by zero (a stale NaN must not leak).
-                        rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
-                        for r in cutlass.range_constexpr(RW):
-                            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
-                            for v in cutlass.range_constexpr(vec):
-                                rAcc[r, v] = gamma * rS[v]
-                        own = dt_cur * x_cur
-                        for r in cutlass.range_constexpr(RW):
-                            coef = cute.arch.shuffle_sync(own, r)
-                            for v in cutlass.range_constexpr(vec):
-                                rAcc[r, v] = rAcc[r, v] + coef * rBa[v]
-                        if cutlass.const_expr(ring):
-                            for p in cutlass.range_constexpr(cap):
-                                j = (p - origin + cap) % cap
-                                live_p = j < h
-                                w = cute.arch.shuffle_sync(w_j, j)
-                                x_p = sRingX[p, p_warp + lr, stage].to(Float32)
-                                coef_p = cutlass.select_(live_p, w * x_p, Float32(0.0))
-                                rBp = load_slice(sRingB[p, None, stage], lane, vec)
-                                for v in cutlass.range_constexpr(vec):
-                                    rBp[v] = cutlass.select_(live_p, rBp[v], Float32(0.0))
-                                for r in cutlass.range_constexpr(RW):
-                                    coef = cute.arch.shuffle_sync(coef_p, r)
-                                    for v in cutlass.range_constexpr(vec):
-                                        rAcc[r, v] = rAcc[r, v] + coef * rBp[v]
-                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
-                        rDots.fill(0.0)
-                        for r in cutlass.range_constexpr(RW):
-                            cute.autovec_copy(rAcc[r, None],
-                                              cute.local_tile(mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
-                            for v in cutlass.range_constexpr(vec):
-                                rDots[r] = rDots[r] + rAcc[r, v] * rC[v]
-                        y_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
-                    else:
-                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
-                        rDots.fill(0.0)
-                        for r in cutlass.range_constexpr(RW):
-                            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
-                            for v in cutlass.range_constexpr(vec):
-                                rDots[r] = rDots[r] + rS[v] * rC[v]
-                        y_row = gamma * cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
-                        # this token: weight dt (exp(0)); then sum_j w_j (B_j . C) x_j over live records
-                        part = Float32(0.0)
+                    # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
+                    # the same whether or not the row folds (C . S_new expands to it).
+                    rDots = cute.make_rmem_tensor((n_rows,), Float32)
+                    rDots.fill(0.0)
+                    for r in cutlass.range_constexpr(RW):
+                        rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
                         for v in cutlass.range_constexpr(vec):
-                            part = part + rBa[v] * rC[v]
-                        ring_term = dt_cur * warp_sum(part) * x_cur
-                        if cutlass.const_expr(ring):
-                            rPos = cute.make_rmem_tensor((n_pos,), Float32)
-                            rPos.fill(0.0)
-                            for p in cutlass.range_constexpr(cap):
-                                rBp = load_slice(sRingB[p, None, stage], lane, vec)
+                            rDots[r] = rDots[r] + rS[v] * rC[v]
+                    y_row = gamma * cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                    part = Float32(0.0)
+                    for v in cutlass.range_constexpr(vec):
+                        part = part + rBa[v] * rC[v]
+                    ring_term = dt_cur * warp_sum(part) * x_cur
+                    if cutlass.const_expr(ring):
+                        rPos = cute.make_rmem_tensor((n_pos,), Float32)
+                        rPos.fill(0.0)
+                        for p in cutlass.range_constexpr(cap):
+                            rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
+                            for v in cutlass.range_constexpr(vec):
+                                rPos[p] = rPos[p] + rBp[v] * rC[v]
+                        dot = warp_reduce_many(rPos, n_pos)  # lane l: B_p . C of p = l >> pos_shift
+                        j_l = ((lane >> pos_shift) - origin + cap) % cap
+                        bc = cute.arch.shuffle_sync(w_j, j_l) * dot
+                        for p in cutlass.range_constexpr(cap):
+                            bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
+                            live_p = (p - origin + cap) % cap < h
+                            x_p = sRingX[p, p_warp + lr, stage].to(Float32)
+                            ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
+                    if flush:
+                        # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
+                        if cutlass.const_expr(c.mma_fold):
+                            rCoef = fold_coefficients(sX, sRingX, stage, p_warp, dt_cur, w_j, origin, h, cap, KR, ring)
+                            fold_into_checkpoint(
+                                cute.local_tile(mCheckpoint[slot64, head, None, None], (RW, N), (cw, 0)),
+                                cute.make_tensor(sState.iterator + p_warp * N,
+                                                 cute.make_layout((RW, N, ST), stride=(N, 1, P * N))),
+                                stage, rCoef, sKeys[None, None, stage], gamma, fold_cols(N), act.width <= 16)
+                        else:
+                            rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
+                            for r in cutlass.range_constexpr(RW):
+                                rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
                                 for v in cutlass.range_constexpr(vec):
-                                    rPos[p] = rPos[p] + rBp[v] * rC[v]
-                            dot = warp_reduce_many(rPos, n_pos)  # lane l: B_p . C of p = l >> pos_shift
-                            j_l = ((lane >> pos_shift) - origin + cap) % cap
-                            bc = cute.arch.shuffle_sync(w_j, j_l) * dot
-                            for p in cutlass.range_constexpr(cap):
-                                bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
-                                live_p = (p - origin + cap) % cap < h
-                                x_p = sRingX[p, p_warp + lr, stage].to(Float32)
-                                ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
+                                    rAcc[r, v] = gamma * rS[v]
+                            own = dt_cur * x_cur
+                            for r in cutlass.range_constexpr(RW):
+                                coef = cute.arch.shuffle_sync(own, r)
+                                for v in cutlass.range_constexpr(vec):
+                                    rAcc[r, v] = rAcc[r, v] + coef * rBa[v]
+                            if cutlass.const_expr(ring):
+                                for p in cutlass.range_constexpr(cap):
+                                    j = (p - origin + cap) % cap
+                                    w = cute.arch.shuffle_sync(w_j, j)
+                                    x_p = sRingX[p, p_warp + lr, stage].to(Float32)
+                                    coef_p = cutlass.select_(j < h, w * x_p, Float32(0.0))
+                                    rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
+                                    for r in cutlass.range_constexpr(RW):
+                                        coef = cute.arch.shuffle_sync(coef_p, r)
+                                        for v in cutlass.range_constexpr(vec):
+                                            rAcc[r, v] = rAcc[r, v] + coef * rBp[v]
+                            for r in cutlass.range_constexpr(RW):
+                                cute.autovec_copy(rAcc[r, None], cute.local_tile(
+                                    mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
+                    else:
+                        if cutlass.const_expr(ring):
                             # append this token's record (B and dt once per group / head)
                             if cw == 0:
                                 if head % heads_per_group == 0:
                                     rBraw = cute.make_rmem_tensor((vec,), act)
-                                    cute.autovec_copy(cute.local_tile(sB[None, stage], (vec,), (lane,)), rBraw)
+                                    cute.autovec_copy(cute.local_tile(sKeys[0, None, stage], (vec,), (lane,)), rBraw)
                                     cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
                                                                              (vec,), (lane,)))
                                 if lane == 0:
@@ -437,7 +483,7 @@ def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, optio
 def pipelined_config(shape: Mamba2Shape, sm_count: int) -> Optional[Mamba2PipeConfig]:
     """As many stages as fit (up to 6), one CTA per SM; None if the kernel cannot take `shape`."""
     for stages in range(6, 1, -1):
-        config = Mamba2PipeConfig(stages=stages, ctas=sm_count)
+        config = Mamba2PipeConfig(stages=stages, ctas=sm_count, mma_fold=shape.headdim % 16 == 0)
         if config.check(shape) is None:
             return config
     return None

@@ -177,6 +177,17 @@ def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_k
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
+@pytest.mark.parametrize("window", [1, 16])
+def test_pipelined_small_grid(window):
+    """The pipelined decode on an 8-CTA grid of 3 stages (every CTA reuses its stages many times),
+    whole heads and half heads, poisoned rings included."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    _run_case("odd", 37, torch.bfloat16, window, seed=window, poison_ring=window > 1,
+              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=64))
+    _run_case("narrow", 9, torch.float32, window, seed=window + 1, config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=16))
+
+
 @pytest.mark.xdist_group("gpu_memory")
 def test_decode_batch_512_pad_zero(decode_kernel):
     _run_case("qwen3.5-4b", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)

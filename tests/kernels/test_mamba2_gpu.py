@@ -40,7 +40,8 @@ def _inputs(b, H, P, N, G, dtype, device, gen, with_z):
     return x, dt, B, C, z
 
 
-def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=-1, seed=0, poison_ring=False):
+def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=-1, seed=0, poison_ring=False,
+              config=None):
     H, P, N, G = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -85,7 +86,7 @@ def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=
         h_before = cache.cursor[slots.long()].clone() if window > 1 else torch.zeros_like(slots)
         ck_before = cache.checkpoint[slots.long()].clone()
         rs.decode(cache, x, dt, A, B, C, step_slots, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-                  out=out)
+                  out=out, config=config)
         y_ref, new_state = reference.mamba2_conventional_step(
             ref_state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
         live_idx = live.nonzero().flatten()
@@ -134,6 +135,18 @@ def test_decode_fp32_with_z(shape, window, decode_kernel):
 @pytest.mark.parametrize("window", [5, 16])
 def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_kernel):
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
+
+
+@pytest.mark.parametrize("mma_fold", [True, False])
+@pytest.mark.parametrize("window", [1, 16])
+def test_pipelined_small_grid(mma_fold, window):
+    """The pipelined decode on an 8-CTA grid of 3 stages (every CTA reuses its stages many times),
+    folding on tensor cores and on CUDA cores, poisoned rings included."""
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+
+    config = Mamba2PipeConfig(stages=3, ctas=8, mma_fold=mma_fold)
+    _run_case("odd", 37, torch.bfloat16, window, seed=window, poison_ring=window > 1, config=config)
+    _run_case("super", 9, torch.float32, window, with_z=True, seed=window + 1, config=config)
 
 
 @pytest.mark.xdist_group("gpu_memory")

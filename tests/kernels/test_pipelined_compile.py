@@ -30,6 +30,9 @@ def test_config_takes_fp32_checkpoints_only():
     assert "stages 9" in Mamba2PipeConfig(9, 132).check(SUPER)
     assert "ctas 0" in Mamba2PipeConfig(4, 0).check(SUPER)
     assert "shared memory" in Mamba2PipeConfig(8, 132).check(SUPER)
+    odd = Mamba2Shape(**{**SUPER.__dict__, "headdim": 24})
+    assert "16-row warps" in Mamba2PipeConfig(4, 132).check(odd)
+    assert Mamba2PipeConfig(4, 132, mma_fold=False).check(odd) is None
 
 
 def test_default_takes_the_most_stages_that_fit():
@@ -37,6 +40,7 @@ def test_default_takes_the_most_stages_that_fit():
     assert config.check(SUPER) is None and config.ctas == 132
     assert Mamba2PipeConfig(config.stages + 1, 132).check(SUPER) is not None
     assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132) is None
+    assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132).mma_fold
 
 
 def test_consumer_warps_keep_at_most_16_rows():
@@ -83,5 +87,7 @@ def test_pipelined_kernels_build_for_every_arch(build):
         assert f".target {arch}" in text
         assert "cp.async.bulk.tensor" in text, f"{label}: the checkpoint tile is not loaded by TMA"
         assert "cp.async.mbarrier.arrive.noinc" in text, f"{label}: the producer's copies are not counted"
+        if label.startswith("mamba2"):
+            assert "mma.sync" in text, f"{label}: the flush does not fold on tensor cores"
         assert ".local" not in text, f"{label}: local memory"
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"
