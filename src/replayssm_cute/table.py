@@ -47,7 +47,6 @@ from .kernels.limits import PLAN_COLUMNS
 __all__ = ["SequenceTable", "StepPlan"]
 
 
-
 class StepPlan(NamedTuple):
     """A model step's plan (module docstring): its table, slot ids, plan rows (b, 4) int32
     (slot, h, origin, sr_writes before the step) and draft count (0: standard decode, T: a verify
