@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
-from ..pipeline import (acquire_stage, as_column, box_partition, copy_rows_async, publish_stage, release_stage,
+from ..pipeline import (acquire_stage, as_column, box_partition, copy_records_async, publish_stage, release_stage,
                         stage_barriers, stage_of, staged, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
@@ -263,13 +263,14 @@ class GDNPipelinedDecode:
                         sV[vr, stage] = rV[e]
                 if cutlass.const_expr(ring):
                     if live:
-                        # every ring position (no load waits on h; stale ones weigh zero where used)
+                        # the live records only (h is known an item ahead); stale positions as zeros
                         slot64 = Int64(slot)
-                        copy_rows_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R), (0, part)),
-                                        sRingU[None, None, stage], u_per16)
-                        copy_rows_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage], k_per16)
-                        copy_rows_async(copy4, as_column(mRingG[slot64, None, vhead]),
-                                        as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1)
+                        copy_records_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R), (0, part)),
+                                           sRingU[None, None, stage], u_per16, origin, h)
+                        copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage], k_per16,
+                                           origin, h)
+                        copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]),
+                                           as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1, origin, h)
                 if lane == 0:
                     sMetaI[0, stage] = slot
                     sMetaI[1, stage] = h
