@@ -5,12 +5,12 @@ the conventional fused step), with the residency of ``kernels/mamba2/pipelined.p
 of CTAs loops over work items, one per (batch row, value head, half of the head's V rows), items
 ``bid, bid + grid, ...``. Warp 0 produces, the other warps consume:
 
-- the producer fills ``stages`` shared-memory stages, each with everything one item needs: its
-  (V / 2, K) checkpoint rows (one TMA box), the ring's u of those rows and the key-head's keys
-  at every position and the value head's g (cp.async), this token's q, k, v (plain loads stored
-  into the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
-  origin, the raw gates, A_log, dt_bias). One mbarrier per stage counts the TMA bytes and the
-  producer lanes' arrivals;
+- the producer fills ``stages`` shared-memory stages (protocol: kernels/pipeline.py), each with
+  everything one item needs: its (rows_per_item, K) checkpoint rows (one TMA box), the live ring
+  records (u of those rows, the key head's keys, the value head's g; stale positions stored as
+  zeros) by cp.async, and, loaded one item ahead, this token's q, k, v (plain loads stored into
+  the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
+  origin, the raw gates, A_log, dt_bias);
 - the consumers compute the item from shared memory only and release the stage (one arrival
   per consumer warp). Consumer warp c owns 16 of the item's rows (a lane per row for the row
   terms, ``k_vec`` consecutive elements of K per lane).

@@ -5,13 +5,15 @@ conventional step), with a different residency: the grid is a fixed number of CT
 work items, one item per (batch row, head), items ``bid, bid + grid, ...``. Warp 0 of a CTA is the
 producer, the other warps consume:
 
-- the producer fills a ring of ``stages`` shared-memory stages, each holding everything one item
-  needs: the head's (P, N) checkpoint tile (one TMA box), the ring records of the head (x) and of
-  its group (B, dt) at every position, this token's x, z, B, C (cp.async, 16 bytes a lane) and
-  the item's scalars (slot, h, origin, dt, A, D, dt_bias: loads it stores into the stage). One
-  mbarrier per stage counts its bytes (TMA) and the producer lanes' cp.async arrivals;
+- the producer fills a ring of ``stages`` shared-memory stages (protocol: kernels/pipeline.py),
+  each holding everything one item needs: the head's (P, N) checkpoint tile (one TMA box), the
+  live ring records of the head (x) and of its group (B, dt; stale positions stored as zeros),
+  this token's x, z, B, C (cp.async, 16 bytes a lane) and the item's scalars (slot, h, origin,
+  dt, A, D, dt_bias), loaded one item ahead and stored into the stage. B sits in a key matrix:
+  row 0 this token's, row 1 + p position p's, zero rows up to a multiple of 8;
 - the consumers wait for a stage, compute the item from shared memory only (no global load in
-  their path), write the output, the ring append or the folded checkpoint rows, and release the
+  their path), write the output, the ring append or the folded checkpoint rows (tensor cores:
+  the coefficients as MMA A fragments against the key matrix; or CUDA cores), and release the
   stage to the producer (one arrival per consumer warp).
 
 So the bytes in flight per SM come from the stages (``stages - 1`` items ahead of the consumers),
