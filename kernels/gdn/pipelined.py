@@ -8,7 +8,7 @@ of CTAs loops over work items, one per (batch row, value head, half of the head'
 - the producer fills ``stages`` shared-memory stages (protocol: kernels/pipeline.py), each with
   everything one item needs: its (rows_per_item, K) checkpoint rows (one TMA box), the live ring
   records (u of those rows, the key head's keys, the value head's g; stale positions stored as
-  zeros) by cp.async, and, loaded one item ahead, this token's q, k, v (plain loads stored into
+  zeros) by cp.async, and, loaded a chunk of items ahead, this token's q, k, v (plain loads stored into
   the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
   origin, the raw gates, A_log, dt_bias);
 - the consumers compute the item from shared memory only and release the stage (one arrival
@@ -49,6 +49,7 @@ from .config import GDNShape
 
 ROWS_PER_WARP = 16  # a consumer warp's rows: 2 x 16 row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
+PREFETCH = 4  # items whose inputs the producer loads in one round
 
 
 @dataclass(frozen=True)
@@ -228,64 +229,75 @@ class GDNPipelinedDecode:
             copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
             copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            # The next item's scalars and q, k, v are loaded one item ahead (none waits on
-            # anything), so their latency hides behind the wait for a free stage.
+            # The producer walks its items in chunks of PREFETCH: it holds the chunk's q, k, v (and
+            # lane u the scalars of item u) and loads the next chunk's while this one is issued,
+            # so a load's latency is paid once per chunk behind PREFETCH stage waits.
             kq_per_lane = (K + 31) // 32  # lane: q and k elements lane, lane + 32, ...
             v_per_lane = (R + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
-            rQ = cute.make_rmem_tensor((kq_per_lane,), Float32)
-            rK = cute.make_rmem_tensor((kq_per_lane,), Float32)
-            rV = cute.make_rmem_tensor((v_per_lane,), Float32)
-            rQn = cute.make_rmem_tensor((kq_per_lane,), Float32)
-            rKn = cute.make_rmem_tensor((kq_per_lane,), Float32)
-            rVn = cute.make_rmem_tensor((v_per_lane,), Float32)
-            slot, h, origin, a_raw, b_raw, a_log, bias = self.item_inputs(
-                cutlass.min(bid, total - 1), mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias, rQ, rK, rV)
-            it = Int32(0)
-            for item in cutlass.range(bid, total, grid, unroll=1):
-                row = item // (HV * parts)
-                vhead = (item // parts) % HV
-                part = item % parts
-                khead = vhead // rep
-                stage, phase = stage_of(it, ST)
-                slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n = self.item_inputs(
-                    cutlass.min(item + grid, total - 1), mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
-                    rQn, rKn, rVn)
-                live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                acquire_stage(empty, stage, phase)
-                for e in cutlass.range_constexpr(kq_per_lane):
-                    col = e * 32 + lane
-                    if col < K:
-                        sQ[col, stage] = rQ[e]
-                        sK[col, stage] = rK[e]
-                for e in cutlass.range_constexpr(v_per_lane):
-                    vr = e * 32 + lane
-                    if vr < R:
-                        sV[vr, stage] = rV[e]
-                if cutlass.const_expr(ring):
-                    if live:
-                        # the live records only (h is known an item ahead); stale positions as zeros
-                        slot64 = Int64(slot)
-                        copy_records_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R), (0, part)),
-                                           sRingU[None, None, stage], u_per16, origin, h)
-                        copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage], k_per16,
-                                           origin, h)
-                        copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]),
-                                           as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1, origin, h)
-                if lane == 0:
-                    sMetaI[0, stage] = slot
-                    sMetaI[1, stage] = h
-                    sMetaI[2, stage] = origin
-                    sMetaF[0, stage] = a_raw
-                    sMetaF[1, stage] = b_raw
-                    sMetaF[2, stage] = a_log
-                    sMetaF[3, stage] = bias
-                publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, (slot * HV + vhead) * parts + part],
-                              t_s[None, stage])
-                slot, h, origin, a_raw, b_raw, a_log, bias = slot_n, h_n, origin_n, a_n, b_n, a_log_n, bias_n
+            rQ = cute.make_rmem_tensor((PREFETCH, kq_per_lane), Float32)
+            rK = cute.make_rmem_tensor((PREFETCH, kq_per_lane), Float32)
+            rV = cute.make_rmem_tensor((PREFETCH, v_per_lane), Float32)
+            rInt = cute.make_rmem_tensor((3,), Int32)
+            rFloat = cute.make_rmem_tensor((4,), Float32)
+            rQn = cute.make_rmem_tensor((PREFETCH, kq_per_lane), Float32)
+            rKn = cute.make_rmem_tensor((PREFETCH, kq_per_lane), Float32)
+            rVn = cute.make_rmem_tensor((PREFETCH, v_per_lane), Float32)
+            rIntNext = cute.make_rmem_tensor((3,), Int32)
+            rFloatNext = cute.make_rmem_tensor((4,), Float32)
+            self.chunk_inputs(bid, grid, total, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
+                              rQ, rK, rV, rInt, rFloat)
+            chunk = Int32(0)
+            for first in cutlass.range(bid, total, grid * PREFETCH, unroll=1):
+                self.chunk_inputs(first + grid * PREFETCH, grid, total, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog,
+                                  mDtBias, rQn, rKn, rVn, rIntNext, rFloatNext)
+                for u in cutlass.range_constexpr(PREFETCH):
+                    item = first + u * grid
+                    if item < total:
+                        vhead = (item // parts) % HV
+                        part = item % parts
+                        khead = vhead // rep
+                        stage, phase = stage_of(chunk * PREFETCH + u, ST)
+                        slot = cute.arch.shuffle_sync(rInt[0], u)
+                        h = cute.arch.shuffle_sync(rInt[1], u)
+                        origin = cute.arch.shuffle_sync(rInt[2], u)
+                        live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                        acquire_stage(empty, stage, phase)
+                        for e in cutlass.range_constexpr(kq_per_lane):
+                            col = e * 32 + lane
+                            if col < K:
+                                sQ[col, stage] = rQ[u, e]
+                                sK[col, stage] = rK[u, e]
+                        for e in cutlass.range_constexpr(v_per_lane):
+                            vr = e * 32 + lane
+                            if vr < R:
+                                sV[vr, stage] = rV[u, e]
+                        if cutlass.const_expr(ring):
+                            if live:
+                                # the live records only; stale positions as zeros
+                                slot64 = Int64(slot)
+                                copy_records_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R),
+                                                                           (0, part)),
+                                                   sRingU[None, None, stage], u_per16, origin, h)
+                                copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage],
+                                                   k_per16, origin, h)
+                                copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]),
+                                                   as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1,
+                                                   origin, h)
+                        scalars_f = [cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)]
+                        if lane == 0:
+                            sMetaI[0, stage] = slot
+                            sMetaI[1, stage] = h
+                            sMetaI[2, stage] = origin
+                            for k in cutlass.range_constexpr(4):
+                                sMetaF[k, stage] = scalars_f[k]
+                        publish_stage(full, stage, live, state_bytes, tma_state,
+                                      t_g[None, (slot * HV + vhead) * parts + part], t_s[None, stage])
                 rQ.store(rQn.load())
                 rK.store(rKn.load())
                 rV.store(rVn.load())
-                it = it + 1
+                rInt.store(rIntNext.load())
+                rFloat.store(rFloatNext.load())
+                chunk = chunk + 1
         else:
             # ------------------------------------------------------------ consumers
             cw = warp - 1
@@ -434,32 +446,43 @@ class GDNPipelinedDecode:
 
 
     @cute.jit
-    def item_inputs(self, item: Int32, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
-                    rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor):
-        """(slot, h, origin, raw gates a and b, A_log, dt_bias) of work item ``item``; this lane's
-        elements of its q, k (K / 32 each) and v (R / 32) into ``rQ``, ``rK``, ``rV`` (fp32)."""
+    def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog,
+                     mDtBias, rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor, rInt: cute.Tensor,
+                     rFloat: cute.Tensor):
+        """Of items ``first + u stride`` (u < PREFETCH, clamped to the last item): this lane's
+        elements of their q, k (K / 32 each) and v (R / 32) into ``rQ[u]``, ``rK[u]``, ``rV[u]``
+        (fp32); lane u: (slot, h, origin) of item u into ``rInt``, (raw gates a and b, A_log,
+        dt_bias) into ``rFloat``."""
         s, c = self.shape, self.config
         HV, K, R = s.num_v_heads, s.head_k_dim, c.rows_per_item
         parts = s.head_v_dim // R
+        rep = HV // s.num_k_heads
         lane = cute.arch.lane_idx()
+        for u in cutlass.range_constexpr(PREFETCH):
+            item = cutlass.min(first + u * stride, total - 1)
+            row = item // (HV * parts)
+            vhead = (item // parts) % HV
+            part = item % parts
+            for e in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
+                if e * 32 + lane < K:
+                    rQ[u, e] = mQ[row, vhead // rep, e * 32 + lane].to(Float32)
+                    rK[u, e] = mK[row, vhead // rep, e * 32 + lane].to(Float32)
+            for e in cutlass.range_constexpr(cute.size(rV, mode=[1])):
+                if e * 32 + lane < R:
+                    rV[u, e] = mV[row, vhead, part * R + e * 32 + lane].to(Float32)
+        item = cutlass.min(first + (lane % PREFETCH) * stride, total - 1)
         row = item // (HV * parts)
         vhead = (item // parts) % HV
-        part = item % parts
-        khead = vhead // (HV // s.num_k_heads)
-        h = Int32(0)
-        origin = Int32(0)
+        rInt[0] = mSlot[row]
+        rInt[1] = Int32(0)
+        rInt[2] = Int32(0)
         if cutlass.const_expr(s.window > 1):
-            h = mPlan[row, 1]
-            origin = mPlan[row, 2]
-        for e in cutlass.range_constexpr(cute.size(rQ)):
-            if e * 32 + lane < K:
-                rQ[e] = mQ[row, khead, e * 32 + lane].to(Float32)
-                rK[e] = mK[row, khead, e * 32 + lane].to(Float32)
-        for e in cutlass.range_constexpr(cute.size(rV)):
-            if e * 32 + lane < R:
-                rV[e] = mV[row, vhead, part * R + e * 32 + lane].to(Float32)
-        return (mSlot[row], h, origin, mA[row, vhead].to(Float32), mB[row, vhead].to(Float32),
-                mALog[vhead].to(Float32), mDtBias[vhead].to(Float32))
+            rInt[1] = mPlan[row, 1]
+            rInt[2] = mPlan[row, 2]
+        rFloat[0] = mA[row, vhead].to(Float32)
+        rFloat[1] = mB[row, vhead].to(Float32)
+        rFloat[2] = mALog[vhead].to(Float32)
+        rFloat[3] = mDtBias[vhead].to(Float32)
 
 
 def compile_pipelined_decode(shape: GDNShape, config: GDNPipeConfig, options: str):

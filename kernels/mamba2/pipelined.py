@@ -9,7 +9,7 @@ producer, the other warps consume:
   each holding everything one item needs: the head's (P, N) checkpoint tile (one TMA box), the
   live ring records of the head (x) and of its group (B, dt; stale positions stored as zeros),
   this token's x, z, B, C (cp.async, 16 bytes a lane) and the item's scalars (slot, h, origin,
-  dt, A, D, dt_bias), loaded one item ahead and stored into the stage. B sits in a key matrix:
+  dt, A, D, dt_bias), loaded a chunk of items ahead and stored into the stage. B sits in a key matrix:
   row 0 this token's, row 1 + p position p's, zero rows up to a multiple of 8;
 - the consumers wait for a stage, compute the item from shared memory only (no global load in
   their path), write the output, the ring append or the folded checkpoint rows (tensor cores:
@@ -55,6 +55,7 @@ from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+PREFETCH = 4  # items whose scalars the producer loads in one round (a lane each)
 
 
 @dataclass(frozen=True)
@@ -273,48 +274,59 @@ class Mamba2PipelinedDecode:
                         sKeys[r, lane * (N // 32) + v, st] = act(0.0)
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            # The scalars of the CTA's next item are loaded one item ahead (none waits on
-            # anything), so their latency hides behind the wait for a free stage.
-            slot, h, origin, dt_raw, A, D, bias = self.item_scalars(
-                cutlass.min(bid, total - 1), mSlot, mPlan, mDt, mA, mD, mDtBias)
-            it = Int32(0)
-            for item in cutlass.range(bid, total, grid, unroll=1):
-                row = item // H
-                head = item % H
-                group = head // heads_per_group
-                stage, phase = stage_of(it, ST)
-                slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n = self.item_scalars(
-                    cutlass.min(item + grid, total - 1), mSlot, mPlan, mDt, mA, mD, mDtBias)
-                live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                acquire_stage(empty, stage, phase)
-                if live:
-                    slot64 = Int64(slot)
-                    # this token's activations and every ring position's records (no load waits
-                    # on h; stale positions weigh zero where used), 16 bytes a lane
-                    copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
-                    if cutlass.const_expr(s.has_z):
-                        copy_rows_async(copy16, as_row(mZ[row, head, None]), as_row(sZ[None, stage]), per16)
-                    copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
-                    copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
-                    if cutlass.const_expr(ring):
-                        # the live records only (h is known an item ahead); stale positions as zeros
-                        copy_records_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage],
-                                           per16, origin, h)
-                        copy_records_async(copy16, mRingB[slot64, None, group, None],
-                                           ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
-                        copy_records_async(copy4, as_column(mRingDt[slot64, None, head]),
-                                           as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1, origin, h)
-                if lane == 0:
-                    sMetaI[0, stage] = slot
-                    sMetaI[1, stage] = h
-                    sMetaI[2, stage] = origin
-                    sMetaF[0, stage] = dt_raw
-                    sMetaF[1, stage] = A
-                    sMetaF[2, stage] = D
-                    sMetaF[3, stage] = bias
-                publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, slot * H + head], t_s[None, stage])
-                slot, h, origin, dt_raw, A, D, bias = slot_n, h_n, origin_n, dt_n, A_n, D_n, bias_n
-                it = it + 1
+            # The producer walks its items in chunks of PREFETCH: lane u holds the scalars of the
+            # chunk's item u, and the next chunk's are loaded while this one is issued, so a
+            # load's latency is paid once per chunk behind PREFETCH stage waits, not per item.
+            rInt = cute.make_rmem_tensor((3,), Int32)
+            rFloat = cute.make_rmem_tensor((4,), Float32)
+            rIntNext = cute.make_rmem_tensor((3,), Int32)
+            rFloatNext = cute.make_rmem_tensor((4,), Float32)
+            self.chunk_scalars(bid, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias, rInt, rFloat)
+            chunk = Int32(0)
+            for first in cutlass.range(bid, total, grid * PREFETCH, unroll=1):
+                self.chunk_scalars(first + grid * PREFETCH, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias,
+                                   rIntNext, rFloatNext)
+                for u in cutlass.range_constexpr(PREFETCH):
+                    item = first + u * grid
+                    if item < total:
+                        row = item // H
+                        head = item % H
+                        group = head // heads_per_group
+                        stage, phase = stage_of(chunk * PREFETCH + u, ST)
+                        slot = cute.arch.shuffle_sync(rInt[0], u)
+                        h = cute.arch.shuffle_sync(rInt[1], u)
+                        origin = cute.arch.shuffle_sync(rInt[2], u)
+                        live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                        acquire_stage(empty, stage, phase)
+                        if live:
+                            slot64 = Int64(slot)
+                            # this token's activations and the live ring records (stale positions
+                            # as zeros), 16 bytes a lane
+                            copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
+                            if cutlass.const_expr(s.has_z):
+                                copy_rows_async(copy16, as_row(mZ[row, head, None]), as_row(sZ[None, stage]), per16)
+                            copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
+                            copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
+                            if cutlass.const_expr(ring):
+                                copy_records_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage],
+                                                   per16, origin, h)
+                                copy_records_async(copy16, mRingB[slot64, None, group, None],
+                                                   ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
+                                copy_records_async(copy4, as_column(mRingDt[slot64, None, head]),
+                                                   as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1,
+                                                   origin, h)
+                        scalars_f = [cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)]
+                        if lane == 0:
+                            sMetaI[0, stage] = slot
+                            sMetaI[1, stage] = h
+                            sMetaI[2, stage] = origin
+                            for k in cutlass.range_constexpr(4):
+                                sMetaF[k, stage] = scalars_f[k]
+                        publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, slot * H + head],
+                                      t_s[None, stage])
+                rInt.store(rIntNext.load())
+                rFloat.store(rFloatNext.load())
+                chunk = chunk + 1
         else:
             # ------------------------------------------------------------ consumers
             cw = warp - 1
@@ -453,23 +465,28 @@ class Mamba2PipelinedDecode:
 
 
     @cute.jit
-    def item_scalars(self, item: Int32, mSlot, mPlan, mDt, mA, mD, mDtBias):
-        """(slot, h, origin, raw dt, A, D, dt_bias) of work item ``item`` (row-indexed loads)."""
+    def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot, mPlan, mDt, mA, mD, mDtBias,
+                      rInt: cute.Tensor, rFloat: cute.Tensor):
+        """Lane u < PREFETCH: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) into
+        ``rFloat`` of item ``first + u stride`` (clamped to the last item; row-indexed loads)."""
         s = self.shape
+        item = cutlass.min(first + (cute.arch.lane_idx() % PREFETCH) * stride, total - 1)
         row = item // s.nheads
         head = item % s.nheads
-        h = Int32(0)
-        origin = Int32(0)
+        rInt[0] = mSlot[row]
+        rInt[1] = Int32(0)
+        rInt[2] = Int32(0)
         if cutlass.const_expr(s.window > 1):
-            h = mPlan[row, 1]
-            origin = mPlan[row, 2]
-        D = Float32(0.0)
+            rInt[1] = mPlan[row, 1]
+            rInt[2] = mPlan[row, 2]
+        rFloat[0] = mDt[row, head].to(Float32)
+        rFloat[1] = mA[head]
+        rFloat[2] = Float32(0.0)
         if cutlass.const_expr(s.has_D):
-            D = mD[head]
-        bias = Float32(0.0)
+            rFloat[2] = mD[head]
+        rFloat[3] = Float32(0.0)
         if cutlass.const_expr(s.has_dt_bias):
-            bias = mDtBias[head]
-        return mSlot[row], h, origin, mDt[row, head].to(Float32), mA[head], D, bias
+            rFloat[3] = mDtBias[head]
 
 
 def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, options: str):
