@@ -11,3 +11,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def tile_decode(monkeypatch):
+    """Every decode on the tile kernels (REPLAYSSM_CUTE_PIPELINED=0), for the tests of the tuned
+    launch configs: the pipelined Mamba-2 decode, the default on an fp32 checkpoint, has none."""
+    from replayssm_cute.layers.common import PIPELINED_ENV
+    from replayssm_cute.runtime import launch
+
+    monkeypatch.setenv(PIPELINED_ENV, "0")
+    launch.reload()
+    yield
+    monkeypatch.undo()
+    launch.reload()

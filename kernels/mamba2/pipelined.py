@@ -46,7 +46,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (SMEM_PER_CTA, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
+from ..common import (SMEM_PER_CTA, SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
                       slot_rows, softplus, warp_reduce_many, warp_sum)
 from ..config_space import launch_check
 from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_records_async, copy_rows_async,
@@ -500,9 +500,14 @@ def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, optio
 
 
 def pipelined_config(shape: Mamba2Shape, sm_count: int) -> Optional[Mamba2PipeConfig]:
-    """As many stages as fit (up to 6), one CTA per SM; None if the kernel cannot take `shape`."""
-    for stages in range(6, 1, -1):
-        config = Mamba2PipeConfig(stages=stages, ctas=sm_count, mma_fold=shape.headdim % 16 == 0)
-        if config.check(shape) is None:
-            return config
+    """Two CTAs per SM where two stages of each fit in half the SM's shared memory (two consumer
+    groups overlap one item's compute with the other's; measured on the H200 with Nemotron-3-Super:
+    305 against 316 us at batch 256 for one CTA of five stages), else one CTA per SM with as many
+    stages as fit (up to 6); None if the kernel cannot take `shape`."""
+    mma_fold = shape.headdim % 16 == 0
+    for ctas_per_sm in (2, 1):
+        for stages in range(6, 1, -1):
+            config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold)
+            if config.check(shape) is None and ctas_per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+                return config
     return None

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from replayssm_cute.kernels.common import SMEM_PER_SM
 from replayssm_cute.kernels.gdn import pipelined as gdn_pipe
 from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
@@ -35,10 +36,14 @@ def test_config_takes_fp32_checkpoints_only():
     assert Mamba2PipeConfig(4, 132, mma_fold=False).check(odd) is None
 
 
-def test_default_takes_the_most_stages_that_fit():
-    config = pipelined_config(SUPER, 132)
-    assert config.check(SUPER) is None and config.ctas == 132
-    assert Mamba2PipeConfig(config.stages + 1, 132).check(SUPER) is not None
+def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
+    config = pipelined_config(SUPER, 132)  # 43 KB stages: two CTAs of two stages on each SM
+    assert config.check(SUPER) is None and (config.ctas, config.stages) == (264, 2)
+    assert 2 * (Mamba2PipeConfig(3, 264).smem_bytes(SUPER) + 1024) > SMEM_PER_SM
+    wide = Mamba2Shape(**{**SUPER.__dict__, "headdim": 128})  # 75 KB stages: one CTA, the most stages
+    config = pipelined_config(wide, 132)
+    assert config.check(wide) is None and config.ctas == 132
+    assert Mamba2PipeConfig(config.stages + 1, 132).check(wide) is not None
     assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132) is None
     assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132).mma_fold
 

@@ -31,8 +31,9 @@ def test_demo_cpu_path(tmp_path):
     assert "FAILED" not in r.stdout, log
     # The launch configs decode would pick (batch 8 is in the small-batch bucket), no GPU: defaults.
     assert "launch configs decode would pick on a GPU at batch 8 (bf16 activations):" in r.stdout, log
-    for config in ("mamba2_decode (rows_per_cta=8, num_warps=2, min_ctas_per_sm=0): analytical default (no GPU",
-                   "mamba2_decode (rows_per_cta=64, num_warps=4, min_ctas_per_sm=4): analytical default (no GPU"):
+    # The pipelined decode on sm_90a's 132 SMs: two CTAs per SM, as many stages as fit in half an SM.
+    for config in ("mamba2_decode (stages=3, ctas=264, mma_fold=True): analytical default (no GPU",
+                   "mamba2_decode (stages=2, ctas=264, mma_fold=True): analytical default (no GPU"):
         assert r.stdout.count(config) == 1, log  # the conventional step, then ReplaySSM
     assert "looser tolerance" not in r.stdout, log  # the GDN note only
     # Every kernel was compiled into the (fresh) disk cache.
@@ -120,6 +121,7 @@ def _cache_and_inputs(kernel):
     return cache, (torch.bfloat16, torch.float32, torch.float32, None)
 
 
+@pytest.mark.usefixtures("tile_decode")  # tuned configs are the tile kernels'
 @pytest.mark.parametrize("tuned", ["none", "valid", "rejected"])
 @pytest.mark.parametrize("kernel", sorted(_TUNED))
 def test_picked_config_is_what_the_kernel_lookup_picks(monkeypatch, kernel, tuned):
@@ -179,6 +181,7 @@ def test_picked_config_of_a_kernel_with_no_tuned_configs_is_its_default(monkeypa
 
 
 
+@pytest.mark.usefixtures("tile_decode")  # tuned configs are the tile kernels'
 def test_launch_config_line_says_where_the_config_came_from(monkeypatch, tmp_path):
     """What the demo prints per kernel: the config, then tuned (which file) or the default."""
     from replayssm_cute import demo

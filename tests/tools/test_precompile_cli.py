@@ -21,6 +21,9 @@ from tests.helpers import ROOT, repo_pythonpath
 
 H200 = "NVIDIA H200"
 
+# The tuned launch configs are the tile kernels': the tests run decode on them.
+pytestmark = pytest.mark.usefixtures("tile_decode")
+
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):

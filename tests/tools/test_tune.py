@@ -35,6 +35,9 @@ from tests.helpers import ROOT
 PLATFORM = tuning.Platform("NVIDIA H200", "sm_90a", "0.1.0", "4.8.1")
 SUPER = get_model("nemotron-super")
 
+# The tuned launch configs are the tile kernels': the tests run decode on them.
+pytestmark = pytest.mark.usefixtures("tile_decode")
+
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):

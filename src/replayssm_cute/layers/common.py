@@ -53,6 +53,9 @@ def memoised_shape(cache, static: tuple, build):
     return shape
 
 
+PIPELINED_ENV = "REPLAYSSM_CUTE_PIPELINED"
+
+
 def whole_head(shape) -> bool:
     """Whether a kernel Shape needs a CTA per head: the writer of an nvfp4 copy needs the whole
     state's amax."""
@@ -65,11 +68,22 @@ def random_generators(gen, device):
             lambda *shape: torch.randn(*shape, generator=gen, device=device))
 
 
-def pipelined_opt_in(shape, pipelined_config):
-    """With ``REPLAYSSM_CUTE_PIPELINED=1`` (the pipelined decode, work in progress), its config
-    for ``shape`` (``pipelined_config(shape, SM count)``; None where it cannot take the shape),
-    else None: the tile kernels' defaults serve."""
-    if os.environ.get("REPLAYSSM_CUTE_PIPELINED") != "1":
+def pipelined_choice(shape, pipelined_config, by_default: bool):
+    """The pipelined decode's config for ``shape`` (``pipelined_config(shape, SM count)``; None
+    where it cannot take the shape) where the layer uses it ``by_default`` or
+    ``REPLAYSSM_CUTE_PIPELINED=1`` asks for it, else None: the tile kernels serve
+    (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
+    choice = os.environ.get(PIPELINED_ENV, "")
+    if choice == "0" or (choice != "1" and not by_default):
         return None
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    return pipelined_config(shape, sm_count)
+    return pipelined_config(shape, sm_count())
+
+
+def sm_count() -> int:
+    """SMs of the visible GPU; without one, those of the target arch's usual part (H100 / H200:
+    132, B200 / B300: 148): the persistent grid is one or two CTAs per SM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    from ..runtime.compile_cache import ENV_ARCH
+
+    return 148 if os.environ.get(ENV_ARCH) in ("sm_100a", "sm_103a") else 132

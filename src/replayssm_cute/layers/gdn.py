@@ -16,8 +16,12 @@ import torch
 from .. import checks
 from ..cache import GDNCache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import (checkpoint_arg, memoised_shape, pipelined_opt_in, random_generators, ring_args, state_copy_args,
+from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
+
+# The pipelined GDN decode (kernels/gdn/pipelined.py) is opt-in (REPLAYSSM_CUTE_PIPELINED=1): its consumer
+# warps are compute-bound (69-83% of copy against the tile kernel's 89%; sweeps/results/README.md).
+PIPELINED_BY_DEFAULT = False
 
 
 class GDNInputs(NamedTuple):
@@ -77,7 +81,7 @@ def _decode_default(shape, bucket: int):
     from ..kernels.gdn.config import default_gdn_config
     from ..kernels.gdn.pipelined import pipelined_config
 
-    config = pipelined_opt_in(shape, pipelined_config)
+    config = pipelined_choice(shape, pipelined_config, by_default=PIPELINED_BY_DEFAULT)
     if config is not None:
         return config
     return default_gdn_config(shape.head_v_dim, bucket, shape.window, shape, whole_head(shape))

@@ -15,8 +15,12 @@ import torch
 from .. import checks
 from ..cache import Mamba2Cache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import (checkpoint_arg, memoised_shape, pipelined_opt_in, random_generators, ring_args, state_copy_args,
+from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
+
+# Standard decode on an fp32 checkpoint runs the pipelined kernel (kernels/mamba2/pipelined.py): faster
+# than the tile kernel at every batch measured on the H200 (sweeps/results/README.md).
+PIPELINED_BY_DEFAULT = True
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,7 +69,7 @@ def _decode_default(shape, bucket: int):
     from ..kernels.mamba2.config import default_mamba2_config
     from ..kernels.mamba2.pipelined import pipelined_config
 
-    config = pipelined_opt_in(shape, pipelined_config)
+    config = pipelined_choice(shape, pipelined_config, by_default=PIPELINED_BY_DEFAULT)
     if config is not None:
         return config
     return default_mamba2_config(shape.headdim, bucket, shape.window, whole_head(shape), shape)
