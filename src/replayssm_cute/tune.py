@@ -752,12 +752,30 @@ def summary(results: List[TuneResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    # The tuner times the tile kernels' launch configs. Standard decode of a Mamba-2 layer on an
-    # fp32 checkpoint runs the pipelined kernel instead, which these entries do not replace: they
-    # serve that decode under REPLAYSSM_CUTE_PIPELINED=0 (its own stages and grid are not tuned yet).
+@contextlib.contextmanager
+def tile_kernels():
+    """Decode on the tile kernels while the tuner runs (its child processes included): standard
+    decode of a Mamba-2 layer on an fp32 checkpoint runs the pipelined kernel otherwise, which
+    tuned entries do not replace; they serve that decode under REPLAYSSM_CUTE_PIPELINED=0 (the
+    pipeline's stages and grid are not tuned yet)."""
+    before = os.environ.get(PIPELINED_ENV)
     os.environ[PIPELINED_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PIPELINED_ENV]
+        else:
+            os.environ[PIPELINED_ENV] = before
+
+
+def main(argv=None) -> int:
+    with tile_kernels():
+        return _main(argv)
+
+
+def _main(argv) -> int:
+    args = parse_args(argv)
     arch = _target_arch(args.compile_only)
     if arch is None:
         return 1

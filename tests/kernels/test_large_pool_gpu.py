@@ -12,6 +12,7 @@ import torch
 
 from replayssm_cute.api import commit, decode, snapshot_verify, verify
 from replayssm_cute.kernels.gdn.config import GDNConfig
+from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 from replayssm_cute.kernels.mamba2.config import Mamba2Config
 from replayssm_cute.models import ModelSpec
 from replayssm_cute.perf import bench_layer
@@ -48,11 +49,13 @@ def _same(got, want, what):
 @pytest.mark.parametrize("model, window, config", [
     (MAMBA2, 1, Mamba2Config(8, 4)),
     (MAMBA2, 16, Mamba2Config(8, 4)),
+    (MAMBA2, 1, None),
     (MAMBA2, 16, None),
     (GDN, 1, GDNConfig(8, 4)),
     (GDN, 16, GDNConfig(8, 4)),
-], ids=["mamba2-conventional-rw2", "mamba2-replay-rw2", "mamba2-replay-default", "gdn-conventional-rw2",
-        "gdn-replay-rw2"])
+    (GDN, 16, GDNPipeConfig(stages=2, ctas=8, rows_per_item=64)),
+], ids=["mamba2-conventional-rw2", "mamba2-replay-rw2", "mamba2-conventional-default", "mamba2-replay-default",
+        "gdn-conventional-rw2", "gdn-replay-rw2", "gdn-replay-pipelined"])
 def test_decode_past_2_31_elements(model, window, config):
     layer, gen, (big, big_ids), (small, small_ids) = _pools(model, window, 0)
     for step in range(window + 2):  # through a flush

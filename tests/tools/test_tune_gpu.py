@@ -14,7 +14,7 @@ from replayssm_cute import tune
 from replayssm_cute.kernels.mamba2.config import Mamba2Config, default_mamba2_config
 from replayssm_cute.runtime import launch, tuning
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("tile_decode")]  # tuned configs are the tile kernels'
 
 H, P, N, G = 4, 16, 32, 1
 WINDOW = 4
