@@ -503,8 +503,9 @@ def pipelined_config(shape: Mamba2Shape, sm_count: int) -> Optional[Mamba2PipeCo
     """Two CTAs per SM where two stages of each fit in half the SM's shared memory (two consumer
     groups overlap one item's compute with the other's; measured on the H200 with Nemotron-3-Super:
     305 against 316 us at batch 256 for one CTA of five stages), else one CTA per SM with as many
-    stages as fit (up to 6); None if the kernel cannot take `shape`."""
-    mma_fold = shape.headdim % 16 == 0
+    stages as fit (up to 6); None if the kernel cannot take `shape`. The conventional step
+    (window 1: a rank-1 update, one FMA per element) folds on CUDA cores, in plain fp32."""
+    mma_fold = shape.headdim % 16 == 0 and shape.window > 1
     for ctas_per_sm in (2, 1):
         for stages in range(6, 1, -1):
             config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold)

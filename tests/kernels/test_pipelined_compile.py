@@ -46,6 +46,8 @@ def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
     assert Mamba2PipeConfig(config.stages + 1, 132).check(wide) is not None
     assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132) is None
     assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132).mma_fold
+    conventional = Mamba2Shape(**{**SUPER.__dict__, "window": 1, "capacity": 1})
+    assert not pipelined_config(conventional, 132).mma_fold
 
 
 def test_consumer_warps_keep_at_most_16_rows():
