@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -145,8 +146,9 @@ def _expected_labels(model, arch):
 
     platforms = precompile.target_platforms(None, arch)
     spec = _spec(model)
-    return ([label for label, _, _ in precompile.variants(spec, WINDOW, ["bf16"], platforms=platforms)]
-            + [v.label for v in precompile.table_variants(spec.layer, WINDOW, WINDOW, (), f"L{WINDOW}")])
+    with mock.patch.dict(os.environ, {"CUTE_DSL_ARCH": arch}):  # the decode kernel and grid follow the target
+        return ([label for label, _, _ in precompile.variants(spec, WINDOW, ["bf16"], platforms=platforms)]
+                + [v.label for v in precompile.table_variants(spec.layer, WINDOW, WINDOW, (), f"L{WINDOW}")])
 
 
 def test_precompile_succeeds(build):
@@ -253,6 +255,7 @@ DRAFT_DECODE = ("nemotron-super",)  # also the decode kernels on its draft cache
 _DRAFT_CHILD = """
 import os, sys, time
 from pathlib import Path
+from unittest import mock
 arch, ptx_root, cases, decode_models, large_only = sys.argv[1], Path(sys.argv[2]), *map(eval, sys.argv[3:6])
 os.environ["CUTE_DSL_ARCH"] = arch
 sys.path.insert(0, {tests!r})
@@ -452,6 +455,7 @@ SNAPSHOT_CASES = {"qwen3.5-122b": (2, 8, 16), "gdn-h2-hv6-k64": (5,), "gdn-h2-hv
 _SNAPSHOT_CHILD = """
 import os, sys, time
 from pathlib import Path
+from unittest import mock
 arch, ptx_dir, large_only = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "1"
 os.environ["CUTE_DSL_ARCH"] = arch
 sys.path.insert(0, {tests!r})

@@ -12,6 +12,7 @@ from replayssm_cute.kernels.gdn import pipelined as gdn_pipe
 from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
 from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
+from replayssm_cute.layers.common import PIPELINED_ENV
 
 from tests.kernels.test_kernels_compile import _ANSI, _env, _parse, ROOT
 
@@ -70,6 +71,26 @@ def test_gdn_config_takes_plain_fp32_caches_only():
     assert gdn_pipe.GDNPipeConfig(config.stages + 1, 132, 64).check(QWEN) is not None
 
 
+@pytest.mark.parametrize("arch, forced, pipelined", [
+    ("sm_90a", None, True), ("sm_100a", None, False), ("sm_103a", None, False),
+    ("sm_100a", "1", True), ("sm_90a", "0", False),
+])
+def test_mamba2_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, pipelined):
+    """Mamba-2 standard decode defaults to the pipelined kernel on sm_90a (measured on the H200);
+    sm_100a / sm_103a keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
+    from replayssm_cute.layers.mamba2 import _decode_default
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    if forced is None:
+        monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PIPELINED_ENV, forced)
+    config = _decode_default(SUPER, 64)
+    assert isinstance(config, Mamba2PipeConfig) == pipelined, config
+    if pipelined:
+        assert config.ctas == 2 * (132 if arch == "sm_90a" else 148)
+
+
 @pytest.fixture(scope="module", params=[(m, a) for m in MODELS for a in ARCHS], ids=lambda p: f"{p[0]}-{p[1]}")
 def build(request, tmp_path_factory):
     model, arch = request.param
@@ -94,7 +115,7 @@ def test_pipelined_kernels_build_for_every_arch(build):
         assert f".target {arch}" in text
         assert "cp.async.bulk.tensor" in text, f"{label}: the checkpoint tile is not loaded by TMA"
         assert "cp.async.mbarrier.arrive.noinc" in text, f"{label}: the producer's copies are not counted"
-        if label.startswith("mamba2"):
-            assert "mma.sync" in text, f"{label}: the flush does not fold on tensor cores"
+        if label.startswith("mamba2"):  # ReplaySSM flushes fold on tensor cores, the conventional step does not
+            assert ("mma.sync" in text) == ("_replay_" in label), f"{label}: the fold's unit"
         assert ".local" not in text, f"{label}: local memory"
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"

@@ -54,6 +54,9 @@ def memoised_shape(cache, static: tuple, build):
 
 
 PIPELINED_ENV = "REPLAYSSM_CUTE_PIPELINED"
+# Targets a layer's pipelined decode is the default on: measured there (the H200). sm_100a and
+# sm_103a builds are compile-checked only; REPLAYSSM_CUTE_PIPELINED=1 picks them there.
+PIPELINED_ARCHS = ("sm_90a",)
 
 
 def whole_head(shape) -> bool:
@@ -70,13 +73,24 @@ def random_generators(gen, device):
 
 def pipelined_choice(shape, pipelined_config, by_default: bool):
     """The pipelined decode's config for ``shape`` (``pipelined_config(shape, SM count)``; None
-    where it cannot take the shape) where the layer uses it ``by_default`` or
-    ``REPLAYSSM_CUTE_PIPELINED=1`` asks for it, else None: the tile kernels serve
-    (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
+    where it cannot take the shape) where ``REPLAYSSM_CUTE_PIPELINED=1`` asks for it, or where
+    the layer uses it ``by_default`` on a target it has been measured on (PIPELINED_ARCHS); else
+    None: the tile kernels serve (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
     choice = os.environ.get(PIPELINED_ENV, "")
-    if choice == "0" or (choice != "1" and not by_default):
+    if choice == "0":
+        return None
+    if choice != "1" and not (by_default and target_arch() in PIPELINED_ARCHS):
         return None
     return pipelined_config(shape, sm_count())
+
+
+def target_arch() -> str:
+    """The arch kernels are built for: $CUTE_DSL_ARCH, else the visible GPU's, else sm_90a."""
+    from ..runtime import compile_cache
+
+    if os.environ.get(compile_cache.ENV_ARCH) or torch.cuda.is_available():
+        return compile_cache.target_arch()
+    return "sm_90a"
 
 
 def sm_count() -> int:
@@ -84,6 +98,4 @@ def sm_count() -> int:
     132, B200 / B300: 148): the persistent grid is one or two CTAs per SM."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).multi_processor_count
-    from ..runtime.compile_cache import ENV_ARCH
-
-    return 148 if os.environ.get(ENV_ARCH) in ("sm_100a", "sm_103a") else 132
+    return 132 if target_arch() == "sm_90a" else 148

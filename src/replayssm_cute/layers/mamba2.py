@@ -18,8 +18,9 @@ from ..runtime.launch import Kernel, cute_dtype
 from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
 
-# Standard decode on an fp32 checkpoint runs the pipelined kernel (kernels/mamba2/pipelined.py): faster
-# than the tile kernel at every batch measured on the H200 (sweeps/results/README.md).
+# Standard decode on an fp32 checkpoint runs the pipelined kernel (kernels/mamba2/pipelined.py) on the
+# targets of PIPELINED_ARCHS: faster than the tile kernel at every batch measured on the H200
+# (sweeps/results/README.md).
 PIPELINED_BY_DEFAULT = True
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
