@@ -270,19 +270,25 @@ class Progress:
 
 
 @contextlib.contextmanager
-def ptxas_reports():
-    """PTXAS_REMARKS added to CUTE_DSL_COMPILER_OPT for the block. CuTe DSL reads that once,
-    when cutlass is first imported: so this covers processes started in the block, and this one
-    if cutlass is not imported yet."""
-    old = os.environ.get(ENV_COMPILER_OPT)
-    os.environ[ENV_COMPILER_OPT] = f"{old or ''} {PTXAS_REMARKS}".strip()
+def environment(name: str, value: str):
+    """Environment variable ``name`` set to ``value`` for the block (child processes started in
+    it inherit it), then restored."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[ENV_COMPILER_OPT]
+            del os.environ[name]
         else:
-            os.environ[ENV_COMPILER_OPT] = old
+            os.environ[name] = old
+
+
+def ptxas_reports():
+    """PTXAS_REMARKS added to CUTE_DSL_COMPILER_OPT for the block. CuTe DSL reads that once,
+    when cutlass is first imported: so this covers processes started in the block, and this one
+    if cutlass is not imported yet."""
+    return environment(ENV_COMPILER_OPT, f"{os.environ.get(ENV_COMPILER_OPT) or ''} {PTXAS_REMARKS}".strip())
 
 
 def ptxas_report(text: str) -> Tuple[Optional[Tuple[int, int, int]], str]:
@@ -752,21 +758,12 @@ def summary(results: List[TuneResult]) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
 def tile_kernels():
     """Decode on the tile kernels while the tuner runs (its child processes included): standard
     decode of a Mamba-2 layer on an fp32 checkpoint runs the pipelined kernel otherwise, which
     tuned entries do not replace; they serve that decode under REPLAYSSM_CUTE_PIPELINED=0 (the
     pipeline's stages and grid are not tuned yet)."""
-    before = os.environ.get(PIPELINED_ENV)
-    os.environ[PIPELINED_ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[PIPELINED_ENV]
-        else:
-            os.environ[PIPELINED_ENV] = before
+    return environment(PIPELINED_ENV, "0")
 
 
 def main(argv=None) -> int:

@@ -808,3 +808,18 @@ def test_output_check_runs_every_config_from_the_same_state(monkeypatch, layer, 
     first, second = check.run(None), check.run(None)
     assert tune.mismatch(second, first) is None
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_tuner_runs_on_the_tile_kernels_and_restores_the_choice(monkeypatch):
+    """Tuned entries are the tile kernels': the tuner (and its child processes) decodes on them,
+    and the caller's REPLAYSSM_CUTE_PIPELINED comes back after it, set or not."""
+    from replayssm_cute.layers.common import PIPELINED_ENV
+
+    for before in ("1", None):
+        if before is None:
+            monkeypatch.delenv(PIPELINED_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PIPELINED_ENV, before)
+        with tune.tile_kernels():
+            assert os.environ[PIPELINED_ENV] == "0"
+        assert os.environ.get(PIPELINED_ENV) == before
