@@ -8,12 +8,35 @@ waits for the stage's previous use to be released (``acquire_stage``), fills it 
 (``publish_stage``); the consumers wait for it (``wait_stage``) and release it (``release_stage``).
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from .common import SMEM_PER_CTA
+
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
+MAX_STAGES = 8
+MAX_CTAS = 4096
+
+
+def stages_smem_bytes(stages: int, stage_bytes: int) -> int:
+    """Shared memory of a ring of ``stages`` stages: the stages, a full and an empty mbarrier
+    each, and slack for the allocator's alignment."""
+    return stages * stage_bytes + 16 * stages + 512
+
+
+def pipeline_check(stages: int, ctas: int, smem_bytes: int) -> Optional[str]:
+    """Why a pipelined decode's stage ring and persistent grid cannot launch, or None."""
+    if not 2 <= stages <= MAX_STAGES:
+        return f"stages {stages}: expected 2..{MAX_STAGES}"
+    if not 1 <= ctas <= MAX_CTAS:
+        return f"ctas {ctas}: expected 1..{MAX_CTAS}"
+    if smem_bytes > SMEM_PER_CTA:
+        return f"{stages} stages need {smem_bytes} bytes of shared memory (at most {SMEM_PER_CTA})"
+    return None
 
 
 def staged(smem, dtype, dims: tuple, stages: int, byte_alignment: int = 16) -> cute.Tensor:

@@ -41,9 +41,10 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import SMEM_PER_CTA, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
-from ..pipeline import (acquire_stage, as_column, box_partition, copy_records_async, publish_stage, release_stage,
-                        stage_barriers, stage_of, staged, wait_stage)
+from ..common import make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from ..limits import MAX_CAPACITY
+from ..pipeline import (acquire_stage, as_column, box_partition, copy_records_async, pipeline_check, publish_stage,
+                        release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
 
@@ -72,7 +73,7 @@ class GDNPipeConfig:
         return R * K * 4 + ring + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
-        return self.stages * self.stage_bytes(shape) + 16 * self.stages + 512
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape))
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item)
@@ -88,15 +89,9 @@ class GDNPipeConfig:
         if self.rows_per_item % ROWS_PER_WARP or V % self.rows_per_item or self.rows_per_item > 256:
             return (f"rows_per_item {self.rows_per_item}: expected a multiple of {ROWS_PER_WARP} up to 256 "
                     f"dividing head_v_dim {V}")
-        if shape.capacity > 32:
-            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
-        if not 2 <= self.stages <= 8:
-            return f"stages {self.stages}: expected 2..8"
-        if not 1 <= self.ctas <= 4096:
-            return f"ctas {self.ctas}: expected 1..4096"
-        if self.smem_bytes(shape) > SMEM_PER_CTA:
-            return f"{self.stages} stages need {self.smem_bytes(shape)} bytes of shared memory (at most {SMEM_PER_CTA})"
-        return None
+        if shape.capacity > MAX_CAPACITY:
+            return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
+        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape))
 
 
 def pipelined_config(shape: GDNShape, sm_count: int) -> Optional[GDNPipeConfig]:

@@ -46,11 +46,12 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (SMEM_PER_CTA, SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
+from ..common import (SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
                       slot_rows, softplus, warp_reduce_many, warp_sum)
-from ..config_space import launch_check
+from ..limits import MAX_CAPACITY
 from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_records_async, copy_rows_async,
-                        publish_stage, release_stage, stage_barriers, stage_of, staged, wait_stage)
+                        pipeline_check, publish_stage, release_stage, stage_barriers, stage_of, staged,
+                        stages_smem_bytes, wait_stage)
 from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
@@ -79,15 +80,12 @@ class Mamba2PipeConfig:
         return P * N * 4 + ring + key_rows(shape) * N * act + (2 * P + N) * act + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: Mamba2Shape) -> int:
-        return self.stages * self.stage_bytes(shape) + 16 * self.stages + 512
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape))
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.mma_fold)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
-        reason = launch_check(16, 1, 0)
-        if reason is not None:
-            return reason
         P, N = shape.headdim, shape.dstate
         if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
             return "the pipelined decode takes an fp32 checkpoint without read copy"
@@ -95,17 +93,11 @@ class Mamba2PipeConfig:
             return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
         if P > 256 or P % 8:
             return f"headdim {P}: the kernel needs a multiple of 8 up to 256 (one TMA box per head)"
-        if shape.capacity > 32:
-            return f"ring capacity {shape.capacity} (window + drafts) above 32 (one lane per record)"
+        if shape.capacity > MAX_CAPACITY:
+            return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         if self.mma_fold and P % 16:
             return f"headdim {P}: the tensor-core fold needs 16-row warps (a multiple of 16; mma_fold=False folds on CUDA cores)"
-        if not 2 <= self.stages <= 8:
-            return f"stages {self.stages}: expected 2..8"
-        if not 1 <= self.ctas <= 4096:
-            return f"ctas {self.ctas}: expected 1..4096"
-        if self.smem_bytes(shape) > SMEM_PER_CTA:
-            return f"{self.stages} stages need {self.smem_bytes(shape)} bytes of shared memory (at most {SMEM_PER_CTA})"
-        return None
+        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape))
 
 
 def key_rows(shape: Mamba2Shape) -> int:
