@@ -145,15 +145,15 @@ def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: boo
 
 def default_mamba2_verify_config(headdim: int, batch: int, whole_head: bool = False):
     """Verify tiles 16 rows per warp (the MMA's M): one warp per CTA at batch <= 2, where more
-    CTAs per row hide latency, else the whole head (up to 4 warps) so the per-CTA dot GEMM and
-    staging are shared by more rows (tuned on the H200, Nemotron-3-Super T = 4 and 8: 1.1-1.25x
-    over one-warp CTAs at batch 4-16). ``whole_head``: a CTA per head at any batch (an nvfp4
-    copy's writer)."""
+    CTAs per row hide latency, else the whole head where it fits in 8 warps, so the per-CTA dot
+    GEMM and staging are shared by more rows (tuned on the H200, T = 4 and 8: 1.1-1.25x over
+    one-warp CTAs at batch 4-16 for headdim 64 and 80). ``whole_head``: a CTA per head at any
+    batch (an nvfp4 copy's writer)."""
     if whole_head:
         return Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 16)
     if batch > 2:
-        for rows in (64, 32):
-            if headdim % rows == 0:
+        for rows in (headdim, 64, 32):
+            if rows <= 128 and headdim % rows == 0:
                 return Mamba2Config(rows_per_cta=rows, num_warps=rows // 16)
     return Mamba2Config(rows_per_cta=16, num_warps=1)
 
