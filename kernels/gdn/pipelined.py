@@ -12,8 +12,10 @@ of CTAs loops over work items, one per (batch row, value head, half of the head'
   the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
   origin, the raw gates, A_log, dt_bias);
 - the consumers compute the item from shared memory only and release the stage (one arrival
-  per consumer warp). Consumer warp c owns 16 of the item's rows (a lane per row for the row
-  terms, ``k_vec`` consecutive elements of K per lane).
+  per consumer warp). Consumer warp c owns ``rows_per_warp`` of the item's rows (a lane per row
+  for the row terms, ``k_vec`` consecutive elements of K per lane). The key head's ring dots
+  (k_p . k, k_p . q) are the same for every row: the consumer warps split the positions between
+  them, store the weighted dots in the stage and meet at a named barrier before reading them all.
 
 Tensor contract: as ``kernels/gdn/decode.py`` (same arguments, same order), restricted to an
 fp32 checkpoint without read copy, without the two-precision records (ring_v, ring_beta) and
@@ -48,7 +50,8 @@ from ..pipeline import (acquire_stage, as_column, box_partition, copy_records_as
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
 
-ROWS_PER_WARP = 16  # a consumer warp's rows: 2 x 16 row dots reduced at once, the folded rows in registers
+ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
+DOTS_BARRIER = 1  # named barrier of the consumer warps (0 is the CTA's)
 META = 8  # scalars of an item staged by the producer
 PREFETCH = 4  # items whose inputs the producer loads in one round
 
@@ -57,26 +60,28 @@ PREFETCH = 4  # items whose inputs the producer loads in one round
 class GDNPipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
     ``ctas`` CTAs in the persistent grid, ``rows_per_item`` state rows per item (a divisor of
-    head_v_dim, a multiple of 16: a consumer warp per 16 rows)."""
+    head_v_dim), ``rows_per_warp`` of them per consumer warp (8 or 16: more warps hide more of
+    the per-item latency, fewer repeat less of the per-warp work)."""
 
     stages: int = 4
     ctas: int = 132
     rows_per_item: int = 64
+    rows_per_warp: int = 16
 
     def consumer_warps(self) -> int:
-        return self.rows_per_item // ROWS_PER_WARP
+        return self.rows_per_item // self.rows_per_warp
 
     def stage_bytes(self, shape: GDNShape) -> int:
         R, K, cap = self.rows_per_item, shape.head_k_dim, shape.capacity
         act = shape.act_dtype.width // 8
-        ring = (cap * R * 2 + cap * K * act) if shape.window > 1 else 0
+        ring = (cap * R * 2 + cap * K * act + 2 * cap * 4) if shape.window > 1 else 0
         return R * K * 4 + ring + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
         return stages_smem_bytes(self.stages, self.stage_bytes(shape))
 
     def key(self):
-        return ("pipe", self.stages, self.ctas, self.rows_per_item)
+        return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -86,9 +91,14 @@ class GDNPipeConfig:
             return "the pipelined decode does not keep v and beta records nor re-derive corrections"
         if K % 16 or K > 256:
             return f"head_k_dim {K}: the kernel needs a multiple of 16 up to 256"
-        if self.rows_per_item % ROWS_PER_WARP or V % self.rows_per_item or self.rows_per_item > 256:
-            return (f"rows_per_item {self.rows_per_item}: expected a multiple of {ROWS_PER_WARP} up to 256 "
-                    f"dividing head_v_dim {V}")
+        if self.rows_per_warp not in ROWS_PER_WARP:
+            return f"rows_per_warp {self.rows_per_warp}: expected one of {ROWS_PER_WARP}"
+        if self.rows_per_item % self.rows_per_warp or V % self.rows_per_item or self.rows_per_item > 256:
+            return (f"rows_per_item {self.rows_per_item}: expected a multiple of rows_per_warp "
+                    f"{self.rows_per_warp} up to 256 dividing head_v_dim {V}")
+        if self.consumer_warps() > 16:
+            return f"{self.consumer_warps()} consumer warps (rows_per_item / rows_per_warp): at most 16"
+
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape))
@@ -181,7 +191,7 @@ class GDNPipelinedDecode:
         ST = c.stages
         R = c.rows_per_item
         CW = c.consumer_warps()
-        RW = ROWS_PER_WARP
+        RW = c.rows_per_warp
         parts = V // R  # items per value head
         vec = s.k_vec
         KL = K // vec  # lanes that hold part of a K row
@@ -207,9 +217,11 @@ class GDNPipelinedDecode:
         sState = staged(smem, Float32, (R, K), ST, byte_alignment=128)
         sRingU = None
         sRingK = None
+        sRingDot = None
         if cutlass.const_expr(ring):
             sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
             sRingK = staged(smem, act, (cap, K), ST)
+            sRingDot = staged(smem, Float32, (2, cap), ST)  # weighted k_p . k, k_p . q of live positions
         sQ = staged(smem, Float32, (K,), ST)
         sK = staged(smem, Float32, (K,), ST)
         sV = staged(smem, Float32, (R,), ST)
@@ -297,8 +309,9 @@ class GDNPipelinedDecode:
             # ------------------------------------------------------------ consumers
             cw = warp - 1
             lr = lane % RW
-            n_pos = pow2_at_least(cap)
-            pos_shift = 5 - (n_pos.bit_length() - 1)
+            pos_per_warp = (cap + CW - 1) // CW
+            n_dots = pow2_at_least(2 * pos_per_warp)
+            dot_shift = 5 - (n_dots.bit_length() - 1)
             row_shift = 5 - (2 * RW).bit_length() + 1
             it = Int32(0)
             for item in cutlass.range(bid, total, grid, unroll=1):
@@ -351,27 +364,31 @@ class GDNPipelinedDecode:
                     ring_k = Float32(0.0)
                     ring_q = Float32(0.0)
                     if cutlass.const_expr(ring):
-                        rDk = cute.make_rmem_tensor((n_pos,), Float32)
-                        rDq = cute.make_rmem_tensor((n_pos,), Float32)
-                        rDk.fill(0.0)
-                        rDq.fill(0.0)
+                        # warp cw: the dots of positions cw, cw + CW, ... (a lane's value 2 i / 2 i + 1:
+                        # k_p . k / k_p . q of its i-th position)
+                        rDots = cute.make_rmem_tensor((n_dots,), Float32)
+                        rDots.fill(0.0)
                         if lane < KL:
-                            for p in cutlass.range_constexpr(cap):
-                                rKey = cute.make_rmem_tensor((vec,), act)
-                                cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
-                                for e in cutlass.range_constexpr(vec):
-                                    rDk[p] = rDk[p] + rKey[e].to(Float32) * rK[e]
-                                    rDq[p] = rDq[p] + rKey[e].to(Float32) * rQ[e]
-                        dot_k = warp_reduce_many(rDk, n_pos)  # lane l: position l >> pos_shift
-                        dot_q = warp_reduce_many(rDq, n_pos)
-                        w_l = cute.arch.shuffle_sync(w_j, ((lane >> pos_shift) - origin + cap) % cap)
+                            for i in cutlass.range_constexpr(pos_per_warp):
+                                p = cw + CW * i
+                                if p < cap:
+                                    rKey = cute.make_rmem_tensor((vec,), act)
+                                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                                    for e in cutlass.range_constexpr(vec):
+                                        rDots[2 * i] = rDots[2 * i] + rKey[e].to(Float32) * rK[e]
+                                        rDots[2 * i + 1] = rDots[2 * i + 1] + rKey[e].to(Float32) * rQ[e]
+                        dot = warp_reduce_many(rDots, n_dots)  # lane l: value l >> dot_shift
+                        value = lane >> dot_shift
+                        p_l = cw + CW * (value // 2)
+                        j_l = (p_l - origin + cap) % cap
+                        w_l = cute.arch.shuffle_sync(w_j, j_l)
+                        if lane % (1 << dot_shift) == 0 and value < 2 * pos_per_warp and p_l < cap:
+                            sRingDot[value % 2, p_l, stage] = cutlass.select_(j_l < h, w_l * dot, Float32(0.0))
+                        cute.arch.barrier(barrier_id=DOTS_BARRIER, number_of_threads=32 * CW)
                         for p in cutlass.range_constexpr(cap):
-                            ck = cute.arch.shuffle_sync(w_l * dot_k, p << pos_shift)
-                            cq = cute.arch.shuffle_sync(w_l * dot_q, p << pos_shift)
-                            live_p = (p - origin + cap) % cap < h
                             u_p = sRingU[p, r0 + lr, stage].to(Float32)
-                            ring_k = ring_k + cutlass.select_(live_p, ck * u_p, Float32(0.0))
-                            ring_q = ring_q + cutlass.select_(live_p, cq * u_p, Float32(0.0))
+                            ring_k = ring_k + sRingDot[0, p, stage] * u_p
+                            ring_q = ring_q + sRingDot[1, p, stage] * u_p
 
                     # S k and S q of the warp's rows (the checkpoint before this token).
                     rRows = cute.make_rmem_tensor((2 * RW,), Float32)

@@ -58,10 +58,12 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def config_label(config) -> str:
-    """rows{R}_warps{W}[_ctas{C}]: a launch config in a variant's label (unique per config)."""
-    if hasattr(config, "stages"):  # the pipelined decode's
-        rows = f"_rows{config.rows_per_item}" if hasattr(config, "rows_per_item") else ""
-        return f"pipe{config.stages}_grid{config.ctas}{rows}"
+    """rows{R}_warps{W}[_ctas{C}], or pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold] for the
+    pipelined decode: a launch config in a variant's label (unique per config)."""
+    if hasattr(config, "stages"):
+        if hasattr(config, "rows_per_item"):  # GDN's
+            return f"pipe{config.stages}_grid{config.ctas}_rows{config.rows_per_item}_warps{config.consumer_warps()}"
+        return f"pipe{config.stages}_grid{config.ctas}" + ("" if config.mma_fold else "_cudafold")
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:
         label += f"_ctas{config.min_ctas_per_sm}"

@@ -180,15 +180,18 @@ def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_k
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
+@pytest.mark.parametrize("rows_per_warp", [16, 8])
 @pytest.mark.parametrize("window", [1, 16])
-def test_pipelined_small_grid(window):
+def test_pipelined_small_grid(window, rows_per_warp):
     """The pipelined decode on an 8-CTA grid of 3 stages (every CTA reuses its stages many times),
-    whole heads and half heads, poisoned rings included."""
+    whole heads and half heads, 16 or 8 rows per consumer warp (the ring dots split over 4 or 8
+    warps, and over 1 or 2 of the narrow head's), poisoned rings included."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
     _run_case("odd", 37, torch.bfloat16, window, seed=window, poison_ring=window > 1,
-              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=64))
-    _run_case("narrow", 9, torch.float32, window, seed=window + 1, config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=16))
+              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=64, rows_per_warp=rows_per_warp))
+    _run_case("narrow", 9, torch.float32, window, seed=window + 1,
+              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=16, rows_per_warp=rows_per_warp))
 
 
 @pytest.mark.xdist_group("gpu_memory")

@@ -65,6 +65,10 @@ def test_gdn_config_takes_plain_fp32_caches_only():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape)
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
+    assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
+    assert "rows_per_item 24" in gdn_pipe.GDNPipeConfig(4, 132, 24, 16).check(QWEN)
+    assert gdn_pipe.GDNPipeConfig(3, 132, 128, 8).consumer_warps() == 16
+    assert "consumer warps" in gdn_pipe.GDNPipeConfig(3, 132, 256, 8).check(GDNShape(**{**QWEN.__dict__, "head_v_dim": 256}))
     assert "shared memory" in gdn_pipe.GDNPipeConfig(8, 132, 128).check(QWEN)
     config = gdn_pipe.pipelined_config(QWEN, 132)
     assert (config.rows_per_item, config.consumer_warps()) == (64, 4)
