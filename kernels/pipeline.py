@@ -17,6 +17,12 @@ from cutlass.cute.nvgpu import cpasync
 
 from .common import SMEM_PER_CTA
 
+# Items whose inputs the producer loads in one round (``prefetch`` of the pipelined configs): 4 on sm_90a
+# (measured on the H200), 2 where the compiler's register budget is tighter (sm_100a / sm_103a: at 4,
+# ptxas spills in GDN's whole-head kernel and Mamba-2's headdim-80 one).
+PREFETCH_BY_ARCH = {"sm_90a": 4}
+PREFETCH_OTHER = 2
+PREFETCH_CHOICES = (1, 2, 4)
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
 MAX_STAGES = 8
 MAX_CTAS = 4096
@@ -28,8 +34,15 @@ def stages_smem_bytes(stages: int, stage_bytes: int) -> int:
     return stages * stage_bytes + 16 * stages + 512
 
 
-def pipeline_check(stages: int, ctas: int, smem_bytes: int) -> Optional[str]:
-    """Why a pipelined decode's stage ring and persistent grid cannot launch, or None."""
+def producer_prefetch(arch: str) -> int:
+    """The producer's chunk of items (``PREFETCH_BY_ARCH``) for a target arch."""
+    return PREFETCH_BY_ARCH.get(arch, PREFETCH_OTHER)
+
+
+def pipeline_check(stages: int, ctas: int, smem_bytes: int, prefetch: int = 4) -> Optional[str]:
+    """Why a pipelined decode's stage ring, producer chunk and persistent grid cannot launch, or None."""
+    if prefetch not in PREFETCH_CHOICES:
+        return f"prefetch {prefetch}: expected one of {PREFETCH_CHOICES}"
     if not 2 <= stages <= MAX_STAGES:
         return f"stages {stages}: expected 2..{MAX_STAGES}"
     if not 1 <= ctas <= MAX_CTAS:

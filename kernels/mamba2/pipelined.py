@@ -50,24 +50,25 @@ from ..common import (SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma
                       slot_rows, softplus, warp_reduce_many, warp_sum)
 from ..limits import MAX_CAPACITY
 from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_records_async, copy_rows_async,
-                        pipeline_check, publish_stage, release_stage, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, wait_stage)
+                        pipeline_check, producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of,
+                        staged, stages_smem_bytes, wait_stage)
 from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
-PREFETCH = 4  # items whose scalars the producer loads in one round (a lane each)
 
 
 @dataclass(frozen=True)
 class Mamba2PipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
     ``ctas`` CTAs in the persistent grid (the SM count, or a multiple of it); consumer warps
-    follow from headdim (RW = P / warps rows each, at most 16)."""
+    follow from headdim (RW = P / warps rows each, at most 16); ``prefetch`` items whose scalars
+    the producer loads in one round (a lane each; kernels/pipeline.py)."""
 
     stages: int = 4
     ctas: int = 132
     mma_fold: bool = True  # a flush folds on tensor cores (16-row warps), else on CUDA cores
+    prefetch: int = 4
 
     def consumer_warps(self, shape: Mamba2Shape) -> int:
         return next(w for w in range(1, shape.headdim + 1)
@@ -83,7 +84,7 @@ class Mamba2PipeConfig:
         return stages_smem_bytes(self.stages, self.stage_bytes(shape))
 
     def key(self):
-        return ("pipe", self.stages, self.ctas, self.mma_fold)
+        return ("pipe", self.stages, self.ctas, self.mma_fold, self.prefetch)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         P, N = shape.headdim, shape.dstate
@@ -97,7 +98,7 @@ class Mamba2PipeConfig:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         if self.mma_fold and P % 16:
             return f"headdim {P}: the tensor-core fold needs 16-row warps (a multiple of 16; mma_fold=False folds on CUDA cores)"
-        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape))
+        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
 
 
 def key_rows(shape: Mamba2Shape) -> int:
@@ -220,6 +221,7 @@ class Mamba2PipelinedDecode:
         s, c = self.shape, self.config
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         ST = c.stages
+        PF = c.prefetch
         CW = self.consumer_warps
         RW = P // CW
         vec = N // 32
@@ -266,25 +268,25 @@ class Mamba2PipelinedDecode:
                         sKeys[r, lane * (N // 32) + v, st] = act(0.0)
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            # The producer walks its items in chunks of PREFETCH: lane u holds the scalars of the
+            # The producer walks its items in chunks of PF: lane u holds the scalars of the
             # chunk's item u, and the next chunk's are loaded while this one is issued, so a
-            # load's latency is paid once per chunk behind PREFETCH stage waits, not per item.
+            # load's latency is paid once per chunk behind PF stage waits, not per item.
             rInt = cute.make_rmem_tensor((3,), Int32)
             rFloat = cute.make_rmem_tensor((4,), Float32)
             rIntNext = cute.make_rmem_tensor((3,), Int32)
             rFloatNext = cute.make_rmem_tensor((4,), Float32)
             self.chunk_scalars(bid, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias, rInt, rFloat)
             chunk = Int32(0)
-            for first in cutlass.range(bid, total, grid * PREFETCH, unroll=1):
-                self.chunk_scalars(first + grid * PREFETCH, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias,
+            for first in cutlass.range(bid, total, grid * PF, unroll=1):
+                self.chunk_scalars(first + grid * PF, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias,
                                    rIntNext, rFloatNext)
-                for u in cutlass.range_constexpr(PREFETCH):
+                for u in cutlass.range_constexpr(PF):
                     item = first + u * grid
                     if item < total:
                         row = item // H
                         head = item % H
                         group = head // heads_per_group
-                        stage, phase = stage_of(chunk * PREFETCH + u, ST)
+                        stage, phase = stage_of(chunk * PF + u, ST)
                         slot = cute.arch.shuffle_sync(rInt[0], u)
                         h = cute.arch.shuffle_sync(rInt[1], u)
                         origin = cute.arch.shuffle_sync(rInt[2], u)
@@ -459,10 +461,10 @@ class Mamba2PipelinedDecode:
     @cute.jit
     def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot, mPlan, mDt, mA, mD, mDtBias,
                       rInt: cute.Tensor, rFloat: cute.Tensor):
-        """Lane u < PREFETCH: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) into
+        """Lane u < prefetch: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) into
         ``rFloat`` of item ``first + u stride`` (clamped to the last item; row-indexed loads)."""
         s = self.shape
-        item = cutlass.min(first + (cute.arch.lane_idx() % PREFETCH) * stride, total - 1)
+        item = cutlass.min(first + (cute.arch.lane_idx() % self.config.prefetch) * stride, total - 1)
         row = item // s.nheads
         head = item % s.nheads
         rInt[0] = mSlot[row]
@@ -491,16 +493,18 @@ def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, optio
     return cute.compile(Mamba2PipelinedDecode(shape, config), *args.values(), stream, options=options)
 
 
-def pipelined_config(shape: Mamba2Shape, sm_count: int) -> Optional[Mamba2PipeConfig]:
+def pipelined_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[Mamba2PipeConfig]:
     """Two CTAs per SM where two stages of each fit in half the SM's shared memory (two consumer
     groups overlap one item's compute with the other's; measured on the H200 with Nemotron-3-Super:
     305 against 316 us at batch 256 for one CTA of five stages), else one CTA per SM with as many
     stages as fit (up to 6); None if the kernel cannot take `shape`. The conventional step
-    (window 1: a rank-1 update, one FMA per element) folds on CUDA cores, in plain fp32."""
+    (window 1: a rank-1 update, one FMA per element) folds on CUDA cores, in plain fp32. The
+    producer's chunk is the target's (kernels/pipeline.py)."""
     mma_fold = shape.headdim % 16 == 0 and shape.window > 1
     for ctas_per_sm in (2, 1):
         for stages in range(6, 1, -1):
-            config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold)
+            config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold,
+                                      prefetch=producer_prefetch(arch))
             if config.check(shape) is None and ctas_per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
                 return config
     return None

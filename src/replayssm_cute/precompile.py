@@ -58,12 +58,15 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def config_label(config) -> str:
-    """rows{R}_warps{W}[_ctas{C}], or pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold] for the
-    pipelined decode: a launch config in a variant's label (unique per config)."""
+    """rows{R}_warps{W}[_ctas{C}], or pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}]
+    for the pipelined decode: a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):
+        label = f"pipe{config.stages}_grid{config.ctas}"
         if hasattr(config, "rows_per_item"):  # GDN's
-            return f"pipe{config.stages}_grid{config.ctas}_rows{config.rows_per_item}_warps{config.consumer_warps()}"
-        return f"pipe{config.stages}_grid{config.ctas}" + ("" if config.mma_fold else "_cudafold")
+            label += f"_rows{config.rows_per_item}_warps{config.consumer_warps()}"
+        elif not config.mma_fold:
+            label += "_cudafold"
+        return label + (f"_prefetch{config.prefetch}" if config.prefetch != 4 else "")
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:
         label += f"_ctas{config.min_ctas_per_sm}"
@@ -87,7 +90,7 @@ def _picked(kernel, shape, platforms, num_drafts: int = 0):
         for platform in platforms:
             with launch.use_platform(platform):
                 configs |= picks()
-    return sorted(configs, key=lambda c: c.key())
+    return sorted(configs, key=lambda c: (type(c).__name__, c.key()))  # tile and pipelined configs may mix
 
 
 def _shape(model, dtype, window: int, max_draft: int = 0, read_copy=None, with_z: bool = False,

@@ -38,17 +38,17 @@ def test_config_takes_fp32_checkpoints_only():
 
 
 def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
-    config = pipelined_config(SUPER, 132)  # 43 KB stages: two CTAs of two stages on each SM
+    config = pipelined_config(SUPER, 132, "sm_90a")  # 43 KB stages: two CTAs of two stages on each SM
     assert config.check(SUPER) is None and (config.ctas, config.stages) == (264, 2)
     assert 2 * (Mamba2PipeConfig(3, 264).smem_bytes(SUPER) + 1024) > SMEM_PER_SM
     wide = Mamba2Shape(**{**SUPER.__dict__, "headdim": 128})  # 75 KB stages: one CTA, the most stages
-    config = pipelined_config(wide, 132)
+    config = pipelined_config(wide, 132, "sm_90a")
     assert config.check(wide) is None and config.ctas == 132
     assert Mamba2PipeConfig(config.stages + 1, 132).check(wide) is not None
-    assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132) is None
-    assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132).mma_fold
+    assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132, "sm_90a") is None
+    assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132, "sm_90a").mma_fold
     conventional = Mamba2Shape(**{**SUPER.__dict__, "window": 1, "capacity": 1})
-    assert not pipelined_config(conventional, 132).mma_fold
+    assert not pipelined_config(conventional, 132, "sm_90a").mma_fold
 
 
 def test_consumer_warps_keep_at_most_16_rows():
@@ -70,9 +70,40 @@ def test_gdn_config_takes_plain_fp32_caches_only():
     assert gdn_pipe.GDNPipeConfig(3, 132, 128, 8).consumer_warps() == 16
     assert "consumer warps" in gdn_pipe.GDNPipeConfig(3, 132, 256, 8).check(GDNShape(**{**QWEN.__dict__, "head_v_dim": 256}))
     assert "shared memory" in gdn_pipe.GDNPipeConfig(8, 132, 128).check(QWEN)
-    config = gdn_pipe.pipelined_config(QWEN, 132)
-    assert (config.rows_per_item, config.consumer_warps()) == (64, 4)
-    assert gdn_pipe.GDNPipeConfig(config.stages + 1, 132, 64).check(QWEN) is not None
+    config = gdn_pipe.pipelined_config(QWEN, 132, "sm_90a")  # whole heads, 8 consumer warps, the most stages that fit
+    assert (config.rows_per_item, config.consumer_warps(), config.stages) == (128, 8, 3)
+    assert gdn_pipe.GDNPipeConfig(config.stages + 1, 132, 128).check(QWEN) is not None
+    wide = gdn_pipe.pipelined_config(GDNShape(**{**QWEN.__dict__, "head_v_dim": 256, "head_k_dim": 64}), 132, "sm_90a")
+    assert wide.rows_per_item == 128  # half heads where a whole one needs more than 8 warps
+    assert "prefetch 3" in gdn_pipe.GDNPipeConfig(3, 132, 128, prefetch=3).check(QWEN)
+
+
+@pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
+def test_producer_chunk_per_target(arch, prefetch):
+    """The producer's chunk is the target's: 4 items on sm_90a, 2 where 4 spills registers."""
+    assert pipelined_config(SUPER, 132, arch).prefetch == prefetch
+    assert gdn_pipe.pipelined_config(QWEN, 132, arch).prefetch == prefetch
+
+
+@pytest.mark.parametrize("arch, forced, window, batch, pipelined", [
+    ("sm_90a", None, 16, 8, True), ("sm_90a", None, 16, 256, True), ("sm_90a", None, 16, 4, False),
+    ("sm_90a", None, 1, 256, False), ("sm_100a", None, 16, 256, False), ("sm_103a", "1", 1, 1, True),
+    ("sm_90a", "0", 16, 256, False),
+])
+def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, window, batch, pipelined):
+    """GDN ReplaySSM decode defaults to the pipelined kernel from batch 8 on sm_90a (measured on
+    the H200); the conventional step, smaller batches and sm_100a / sm_103a keep the tile kernels
+    unless REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
+    from replayssm_cute.layers.gdn import _decode_default
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    if forced is None:
+        monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PIPELINED_ENV, forced)
+    shape = GDNShape(**{**QWEN.__dict__, "window": window, "capacity": window})
+    config = _decode_default(shape, batch)
+    assert isinstance(config, gdn_pipe.GDNPipeConfig) == pipelined, config
 
 
 @pytest.mark.parametrize("arch, forced, pipelined", [

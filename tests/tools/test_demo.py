@@ -33,8 +33,8 @@ def test_demo_cpu_path(tmp_path):
     assert "launch configs decode would pick on a GPU at batch 8 (bf16 activations):" in r.stdout, log
     # The pipelined decode on sm_90a's 132 SMs: two CTAs per SM, as many stages as fit in half an SM
     # (the conventional step folds on CUDA cores).
-    for config in ("mamba2_decode (stages=3, ctas=264, mma_fold=False): analytical default (no GPU",
-                   "mamba2_decode (stages=2, ctas=264, mma_fold=True): analytical default (no GPU"):
+    for config in ("mamba2_decode (stages=3, ctas=264, mma_fold=False, prefetch=4): analytical default (no GPU",
+                   "mamba2_decode (stages=2, ctas=264, mma_fold=True, prefetch=4): analytical default (no GPU"):
         assert r.stdout.count(config) == 1, log  # the conventional step, then ReplaySSM
     assert "looser tolerance" not in r.stdout, log  # the GDN note only
     # Every kernel was compiled into the (fresh) disk cache.
@@ -59,9 +59,11 @@ def test_demo_cpu_path_gdn(tmp_path):
     # Why ReplaySSM's GDN errors are larger than the conventional step's, in one line.
     assert "why GDN ReplaySSM has a looser tolerance: its ring stores each token's correction u in fp16" \
            in r.stdout, log
+    # the conventional step on the tile kernel, ReplaySSM (batch 8) on the pipelined one: whole heads, the
+    # most stages that fit
     for config in ("gdn_decode (rows_per_cta=8, num_warps=2, min_ctas_per_sm=0): analytical default",
-                   "gdn_decode (rows_per_cta=64, num_warps=4, min_ctas_per_sm=0): analytical default"):
-        assert r.stdout.count(config) == 1, log  # the conventional step, then ReplaySSM
+                   "gdn_decode (stages=3, ctas=132, rows_per_item=128, rows_per_warp=16, prefetch=4): analytical default"):
+        assert r.stdout.count(config) == 1, log
     assert "summary: all checks passed" in r.stdout, log
     assert "FAILED" not in r.stdout, log
     from replayssm_cute.models import get_model

@@ -72,7 +72,7 @@ def random_generators(gen, device):
 
 
 def pipelined_choice(shape, pipelined_config, by_default: bool):
-    """The pipelined decode's config for ``shape`` (``pipelined_config(shape, SM count)``; None
+    """The pipelined decode's config for ``shape`` (``pipelined_config(shape, SM count, arch)``; None
     where it cannot take the shape) where ``REPLAYSSM_CUTE_PIPELINED=1`` asks for it, or where
     the layer uses it ``by_default`` on a target it has been measured on (PIPELINED_ARCHS); else
     None: the tile kernels serve (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
@@ -81,7 +81,7 @@ def pipelined_choice(shape, pipelined_config, by_default: bool):
         return None
     if choice != "1" and not (by_default and target_arch() in PIPELINED_ARCHS):
         return None
-    return pipelined_config(shape, sm_count())
+    return pipelined_config(shape, sm_count(), target_arch())
 
 
 def target_arch() -> str:

@@ -19,9 +19,14 @@ from ..runtime.launch import Kernel, cute_dtype
 from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
 
-# The pipelined GDN decode (kernels/gdn/pipelined.py) is opt-in (REPLAYSSM_CUTE_PIPELINED=1): its consumer
-# warps are compute-bound (69-83% of copy against the tile kernel's 89%; sweeps/results/README.md).
-PIPELINED_BY_DEFAULT = False
+# The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding from batch 8, where it was
+# measured level with or faster than the tile kernels (sweeps/results/README.md); the conventional step and
+# smaller batches keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1.
+PIPELINED_MIN_BATCH = 8
+
+
+def pipelined_by_default(shape, bucket: int) -> bool:
+    return shape.window > 1 and bucket >= PIPELINED_MIN_BATCH
 
 
 class GDNInputs(NamedTuple):
@@ -81,7 +86,7 @@ def _decode_default(shape, bucket: int):
     from ..kernels.gdn.config import default_gdn_config
     from ..kernels.gdn.pipelined import pipelined_config
 
-    config = pipelined_choice(shape, pipelined_config, by_default=PIPELINED_BY_DEFAULT)
+    config = pipelined_choice(shape, pipelined_config, by_default=pipelined_by_default(shape, bucket))
     if config is not None:
         return config
     return default_gdn_config(shape.head_v_dim, bucket, shape.window, shape, whole_head(shape))
