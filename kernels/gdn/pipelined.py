@@ -32,10 +32,13 @@ without re-derivation (``GDNPipeConfig.check``); those arguments are None.
 | out         | (b, HV, V)        | act      | W      | o (pad rows left untouched)                 |
 | ring_u / ring_k / ring_g | (S, cap, HV, V) / (S, cap, H, K) / (S, cap, HV) | fp16 / act / fp32 | R / W | records (L > 1) |
 | plan        | (b, 4)            | int32    | R      | (slot, h, origin, sr_writes) (L > 1)         |
+
+The kernel takes this token's tensors as a ``GDNToken`` and the records with the plan as a
+``GDNRing``.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -53,6 +56,27 @@ from .config import GDNShape
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 DOTS_BARRIER = 1  # named barrier of the consumer warps (0 is the CTA's)
 META = 8  # scalars of an item staged by the producer
+
+
+class GDNToken(NamedTuple):
+    """This token's inputs of the step."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mA: cute.Tensor
+    mB: cute.Tensor
+    mALog: cute.Tensor
+    mDtBias: cute.Tensor
+
+
+class GDNRing(NamedTuple):
+    """The ring's records and the step's plan rows (all None at window 1)."""
+
+    mRingU: Optional[cute.Tensor]
+    mRingK: Optional[cute.Tensor]
+    mRingG: Optional[cute.Tensor]
+    mPlan: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)
@@ -164,8 +188,8 @@ class GDNPipelinedDecode:
         HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
         tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, HV * V, K), c.rows_per_item, K)
         self.kernel(
-            tma_state, mStateTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mPlan,
+            tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
+            GDNRing(mRingU, mRingK, mRingG, mPlan),
         ).launch(
             grid=[c.ctas, 1, 1],
             block=[32 * (1 + c.consumer_warps()), 1, 1],
@@ -180,21 +204,13 @@ class GDNPipelinedDecode:
         tma_state: cute.CopyAtom,
         mStateTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        token: GDNToken,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingU: Optional[cute.Tensor],
-        mRingK: Optional[cute.Tensor],
-        mRingG: Optional[cute.Tensor],
-        mPlan: Optional[cute.Tensor],
+        records: GDNRing,
     ):
         s, c = self.shape, self.config
+        mRingU, mRingK, mRingG, mPlan = records
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
         ST = c.stages
         PF = c.prefetch
@@ -217,7 +233,7 @@ class GDNPipelinedDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         num_slots = mCheckpoint.shape[0]
-        total = mV.shape[0] * HV * parts
+        total = token.mV.shape[0] * HV * parts
 
         # Shared memory, declared once: per stage the item's state rows, the ring records it
         # reads, this token's q, k, v (fp32) and the item's scalars; a full and an empty
@@ -260,12 +276,11 @@ class GDNPipelinedDecode:
             rVn = cute.make_rmem_tensor((PF, v_per_lane), Float32)
             rIntNext = cute.make_rmem_tensor((3,), Int32)
             rFloatNext = cute.make_rmem_tensor((4,), Float32)
-            self.chunk_inputs(bid, grid, total, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog, mDtBias,
-                              rQ, rK, rV, rInt, rFloat)
+            self.chunk_inputs(bid, grid, total, mSlot, mPlan, token, rQ, rK, rV, rInt, rFloat)
             chunk = Int32(0)
             for first in cutlass.range(bid, total, grid * PF, unroll=1):
-                self.chunk_inputs(first + grid * PF, grid, total, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog,
-                                  mDtBias, rQn, rKn, rVn, rIntNext, rFloatNext)
+                self.chunk_inputs(first + grid * PF, grid, total, mSlot, mPlan, token, rQn, rKn, rVn, rIntNext,
+                                  rFloatNext)
                 for u in cutlass.range_constexpr(PF):
                     item = first + u * grid
                     if item < total:
@@ -467,8 +482,8 @@ class GDNPipelinedDecode:
 
 
     @cute.jit
-    def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot, mPlan, mQ, mK, mV, mA, mB, mALog,
-                     mDtBias, rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor, rInt: cute.Tensor,
+    def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor, mPlan: Optional[cute.Tensor],
+                     token: GDNToken, rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor, rInt: cute.Tensor,
                      rFloat: cute.Tensor):
         """Of items ``first + u stride`` (u < prefetch, clamped to the last item): this lane's
         elements of their q, k (K / 32 each) and v (R / 32) into ``rQ[u]``, ``rK[u]``, ``rV[u]``
@@ -479,6 +494,7 @@ class GDNPipelinedDecode:
         parts = s.head_v_dim // R
         rep = HV // s.num_k_heads
         lane = cute.arch.lane_idx()
+        mQ, mK, mV, mA, mB, mALog, mDtBias = token
         for u in cutlass.range_constexpr(c.prefetch):
             item = cutlass.min(first + u * stride, total - 1)
             row = item // (HV * parts)

@@ -35,10 +35,13 @@ are None.
 | out         | (b, H, P)        | act     | W      | y (pad rows left untouched)                    |
 | ring_x / ring_B / ring_dt | (S, cap, H, P) / (S, cap, G, N) / (S, cap, H) | act / act / fp32 | R / W | records (L > 1) |
 | plan        | (b, 4)           | int32   | R      | (slot, h, origin, sr_writes) (L > 1)           |
+
+The kernel takes this token's tensors as a ``Mamba2Token`` and the records with the plan as a
+``Mamba2Ring``.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -56,6 +59,28 @@ from .config import Mamba2Shape
 
 MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+
+
+class Mamba2Token(NamedTuple):
+    """This token's inputs of the step."""
+
+    mX: cute.Tensor
+    mDt: cute.Tensor
+    mA: cute.Tensor
+    mB: cute.Tensor
+    mC: cute.Tensor
+    mD: Optional[cute.Tensor]
+    mZ: Optional[cute.Tensor]
+    mDtBias: Optional[cute.Tensor]
+
+
+class Mamba2Ring(NamedTuple):
+    """The ring's records and the step's plan rows (all None at window 1)."""
+
+    mRingX: Optional[cute.Tensor]
+    mRingB: Optional[cute.Tensor]
+    mRingDt: Optional[cute.Tensor]
+    mPlan: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)
@@ -187,8 +212,8 @@ class Mamba2PipelinedDecode:
         H, P, N = s.nheads, s.headdim, s.dstate
         tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), P, N)
         self.kernel(
-            tma_state, mStateTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-            mRingX, mRingB, mRingDt, mPlan,
+            tma_state, mStateTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
+            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
         ).launch(
             grid=[c.ctas, 1, 1],
             block=[32 * (1 + self.consumer_warps), 1, 1],
@@ -203,21 +228,13 @@ class Mamba2PipelinedDecode:
         tma_state: cute.CopyAtom,
         mStateTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mX: cute.Tensor,
-        mDt: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        mD: Optional[cute.Tensor],
-        mZ: Optional[cute.Tensor],
-        mDtBias: Optional[cute.Tensor],
+        token: Mamba2Token,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingX: Optional[cute.Tensor],
-        mRingB: Optional[cute.Tensor],
-        mRingDt: Optional[cute.Tensor],
-        mPlan: Optional[cute.Tensor],
+        records: Mamba2Ring,
     ):
+        mX, mDt, mA, mB, mC, mD, mZ, mDtBias = token
+        mRingX, mRingB, mRingDt, mPlan = records
         s, c = self.shape, self.config
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         ST = c.stages
@@ -275,11 +292,10 @@ class Mamba2PipelinedDecode:
             rFloat = cute.make_rmem_tensor((4,), Float32)
             rIntNext = cute.make_rmem_tensor((3,), Int32)
             rFloatNext = cute.make_rmem_tensor((4,), Float32)
-            self.chunk_scalars(bid, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias, rInt, rFloat)
+            self.chunk_scalars(bid, grid, total, mSlot, mPlan, token, rInt, rFloat)
             chunk = Int32(0)
             for first in cutlass.range(bid, total, grid * PF, unroll=1):
-                self.chunk_scalars(first + grid * PF, grid, total, mSlot, mPlan, mDt, mA, mD, mDtBias,
-                                   rIntNext, rFloatNext)
+                self.chunk_scalars(first + grid * PF, grid, total, mSlot, mPlan, token, rIntNext, rFloatNext)
                 for u in cutlass.range_constexpr(PF):
                     item = first + u * grid
                     if item < total:
@@ -459,11 +475,12 @@ class Mamba2PipelinedDecode:
 
 
     @cute.jit
-    def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot, mPlan, mDt, mA, mD, mDtBias,
-                      rInt: cute.Tensor, rFloat: cute.Tensor):
+    def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor,
+                      mPlan: Optional[cute.Tensor], token: Mamba2Token, rInt: cute.Tensor, rFloat: cute.Tensor):
         """Lane u < prefetch: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) into
         ``rFloat`` of item ``first + u stride`` (clamped to the last item; row-indexed loads)."""
         s = self.shape
+        mDt, mA, mD, mDtBias = token.mDt, token.mA, token.mD, token.mDtBias
         item = cutlass.min(first + (cute.arch.lane_idx() % self.config.prefetch) * stride, total - 1)
         row = item // s.nheads
         head = item % s.nheads
