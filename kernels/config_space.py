@@ -38,6 +38,17 @@ def register_budget(num_warps: int, min_ctas_per_sm: int) -> int:
 
 
 LAUNCH_FIELDS = ("rows_per_cta", "num_warps", "min_ctas_per_sm")
+VERIFY_ROWS_PER_WARP = 16  # the verify kernels' warps each take an m16n8k8 MMA's M rows
+
+
+def verify_tile_rows(head_rows: int) -> int:
+    """State rows per CTA of the verify kernels' default tile for a head of ``head_rows`` rows:
+    the whole head where it takes at most 8 warps, else 64 or 32 rows dividing it, else one
+    warp's 16 (both layers' defaults, kernels/*/config.py)."""
+    for rows in (head_rows, 64, 32):
+        if rows <= 8 * VERIFY_ROWS_PER_WARP and head_rows % rows == 0:
+            return rows
+    return VERIFY_ROWS_PER_WARP
 
 
 def launch_check(rows_per_cta, num_warps, min_ctas_per_sm) -> Optional[str]:

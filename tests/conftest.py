@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def tile_decode(monkeypatch):
     """Every decode on the tile kernels (REPLAYSSM_CUTE_PIPELINED=0), for the tests of the tuned
-    launch configs: the pipelined Mamba-2 decode, the default on an fp32 checkpoint, has none."""
+    launch configs: the pipelined decodes, the default on an fp32 checkpoint (Mamba-2; GDN
+    ReplaySSM from batch 8), have none."""
     from replayssm_cute.layers.common import PIPELINED_ENV
     from replayssm_cute.runtime import launch
 

@@ -12,7 +12,7 @@ from typing import List, Optional, Type
 import cutlass
 
 from ..common import pow2_at_least, smem_fit
-from ..config_space import config_space, launch_check
+from ..config_space import VERIFY_ROWS_PER_WARP, config_space, launch_check, verify_tile_rows
 from ..limits import MAX_CAPACITY
 from ..state_io import StateCopies
 
@@ -167,10 +167,8 @@ def default_gdn_verify_config(head_v_dim: int, batch: int, whole_head: bool = Fa
     nvfp4 copy's writer always takes the whole head."""
     if whole_head:
         return GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16)
-    for rows in (head_v_dim, 64, 32):
-        if rows <= 128 and head_v_dim % rows == 0:
-            return GDNConfig(rows_per_cta=rows, num_warps=rows // 16)
-    return GDNConfig(rows_per_cta=16, num_warps=1)
+    rows = verify_tile_rows(head_v_dim)
+    return GDNConfig(rows_per_cta=rows, num_warps=rows // VERIFY_ROWS_PER_WARP)
 
 
 def default_gdn_snapshot_config(head_v_dim: int, batch: int):

@@ -123,7 +123,6 @@ class GDNPipeConfig:
                     f"{self.rows_per_warp} up to 256 dividing head_v_dim {V}")
         if self.consumer_warps() > 16:
             return f"{self.consumer_warps()} consumer warps (rows_per_item / rows_per_warp): at most 16"
-
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)

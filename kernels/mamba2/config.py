@@ -12,7 +12,7 @@ from typing import List, Optional, Type
 import cutlass
 
 from ..common import pow2_at_least, smem_fit
-from ..config_space import config_space, launch_check
+from ..config_space import VERIFY_ROWS_PER_WARP, config_space, launch_check, verify_tile_rows
 from ..limits import MAX_CAPACITY
 from ..state_io import StateCopies
 
@@ -151,11 +151,8 @@ def default_mamba2_verify_config(headdim: int, batch: int, whole_head: bool = Fa
     batch (an nvfp4 copy's writer)."""
     if whole_head:
         return Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 16)
-    if batch > 2:
-        for rows in (headdim, 64, 32):
-            if rows <= 128 and headdim % rows == 0:
-                return Mamba2Config(rows_per_cta=rows, num_warps=rows // 16)
-    return Mamba2Config(rows_per_cta=16, num_warps=1)
+    rows = verify_tile_rows(headdim) if batch > 2 else VERIFY_ROWS_PER_WARP
+    return Mamba2Config(rows_per_cta=rows, num_warps=rows // VERIFY_ROWS_PER_WARP)
 
 
 def default_mamba2_snapshot_config(headdim: int, batch: int):

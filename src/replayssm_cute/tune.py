@@ -42,10 +42,10 @@ achieved TB/s on the ideal bytes (perf.ideal_bytes, perf.verify_ideal_bytes: 16-
 activations) and the speedup over the analytical default. --compile-only builds the candidates
 and stops (no GPU needed with CUTE_DSL_ARCH set).
 
-The tuned kernels are the tile kernels (kernels/*/decode.py, verify.py). Standard decode of a
-Mamba-2 layer on an fp32 checkpoint (conventional and ReplaySSM) runs the pipelined kernel
-(kernels/mamba2/pipelined.py) instead; the tile entries tuned for it serve that decode only under
-REPLAYSSM_CUTE_PIPELINED=0.
+The tuned kernels are the tile kernels (kernels/*/decode.py, verify.py). On sm_90a, standard
+decode on an fp32 checkpoint of a Mamba-2 layer (conventional and ReplaySSM) and of a GDN layer
+(ReplaySSM, from batch 8) runs the pipelined kernels (kernels/*/pipelined.py) instead; the tile
+entries tuned for those serve them only under REPLAYSSM_CUTE_PIPELINED=0.
 """
 
 from __future__ import annotations
@@ -760,9 +760,9 @@ def summary(results: List[TuneResult]) -> str:
 
 def tile_kernels():
     """Decode on the tile kernels while the tuner runs (its child processes included): standard
-    decode of a Mamba-2 layer on an fp32 checkpoint runs the pipelined kernel otherwise, which
-    tuned entries do not replace; they serve that decode under REPLAYSSM_CUTE_PIPELINED=0 (the
-    pipeline's stages and grid are not tuned yet)."""
+    decode on an fp32 checkpoint runs the pipelined kernels otherwise where they are the default
+    (Mamba-2; GDN ReplaySSM from batch 8), which tuned entries do not replace; they serve that
+    decode under REPLAYSSM_CUTE_PIPELINED=0 (the pipelines' configs are not tuned yet)."""
     return environment(PIPELINED_ENV, "0")
 
 
