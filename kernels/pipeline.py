@@ -8,12 +8,14 @@ waits for the stage's previous use to be released (``acquire_stage``), fills it 
 (``publish_stage``); the consumers wait for it (``wait_stage``) and release it (``release_stage``).
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import SMEM_PER_CTA
 
@@ -24,8 +26,18 @@ PREFETCH_BY_ARCH = {"sm_90a": 4}
 PREFETCH_OTHER = 2
 PREFETCH_CHOICES = (1, 2, 4)
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
-MAX_STAGES = 8
+MAX_STAGES = 16
 MAX_CTAS = 4096
+CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
+
+
+class ReadCopy(NamedTuple):
+    """A cache's read copy as a pipelined kernel takes it (state_io.COPY_ARGS: mRead, mReadScale,
+    mReadStateScale; None where the format has no such tensor or the cache no read copy)."""
+
+    mData: Optional[cute.Tensor]
+    mScale: Optional[cute.Tensor]
+    mStateScale: Optional[cute.Tensor]
 
 
 def stages_smem_bytes(stages: int, stage_bytes: int) -> int:
@@ -98,19 +110,19 @@ def acquire_stage(empty: cute.Pointer, stage: Int32, phase: Int32):
 
 
 @cute.jit
-def publish_stage(full: cute.Pointer, stage: Int32, live, state_bytes: cutlass.Constexpr[int], tma_atom: cute.CopyAtom,
-                  tSrc: cute.Tensor, tDst: cute.Tensor):
+def publish_stage(full: cute.Pointer, stage: Int32, with_box, box_bytes: cutlass.Constexpr[int],
+                  tma_atom: cute.CopyAtom, tSrc: cute.Tensor, tDst: cute.Tensor):
     """Producer (whole warp), after its copies and lane 0's scalar stores into the stage: lane 0
-    arrives (with the box's bytes if ``live``), the warp issues the TMA box ``tSrc`` -> ``tDst``
-    if ``live`` (its elect.sync must see every lane: in a one-lane branch it deadlocks once a
+    arrives (with the box's bytes if ``with_box``), the warp issues the TMA box ``tSrc`` -> ``tDst``
+    if ``with_box`` (its elect.sync must see every lane: in a one-lane branch it deadlocks once a
     stage is reused), and every lane's cp.async arrival follows its copies."""
     cute.arch.sync_warp()  # every lane's plain stores into the stage precede lane 0's release
     if cute.arch.lane_idx() == 0:
-        if live:
-            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, state_bytes)
+        if with_box:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, box_bytes)
         else:
             cute.arch.mbarrier_arrive(full + stage)
-    if live:
+    if with_box:
         cute.copy(tma_atom, tSrc, tDst, tma_bar_ptr=full + stage)
     cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
 
@@ -177,3 +189,18 @@ def copy_records_async(atom: cute.CopyAtom, gRecords: cute.Tensor, sRecords: cut
                 cute.copy(atom, cute.local_tile(gRecords[r, None], (piece,), (c,)), dst)
             else:
                 cute.autovec_copy(rZero, dst)
+
+
+def flat(t: cute.Tensor, count: int) -> cute.Tensor:
+    """The ``count`` contiguous elements from ``t``'s first one as a (1, count) row (``copy_rows_async``)."""
+    return cute.make_tensor(t.iterator, cute.make_layout((1, count), stride=(0, 1)))
+
+
+@dsl_user_op
+def prefetch_l2(t: cute.Tensor, num_bytes: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """One thread asks for ``num_bytes`` (a multiple of 16) of global memory from ``t``'s first
+    element into L2 (``cp.async.bulk.prefetch.L2``), so loads issued later find them there."""
+    address = t.iterator.toint(loc=loc, ip=ip)
+    llvm.inline_asm(None, [address.ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

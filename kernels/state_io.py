@@ -231,7 +231,7 @@ def _f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def _max_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+def max_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """max(a, b), NaN if either is (an amax must not drop a NaN)."""
     return ptx_op(Float32, [Float32(a), Float32(b)], "max.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip)
 
@@ -301,7 +301,7 @@ def _group_max(x: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
     """NaN-propagating max over aligned groups of ``lanes`` lanes (a power of two)."""
     offset = lanes // 2
     while cutlass.const_expr(offset >= 1):
-        x = _max_nan(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+        x = max_nan(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
         offset = offset // 2
     return x
 
@@ -643,7 +643,7 @@ def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mChe
         rS = cute.make_rmem_tensor((vec,), Float32)
         folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
                    entry_state_scale, slot, head, first_row, r, gamma, own, rOwnKey, rCoefs, sKeys, ring, rS)
-        amax = _max_nan(amax, lane_amax(rS))
+        amax = max_nan(amax, lane_amax(rS))
     return cta_state_scale(amax, sAmax)
 
 
@@ -738,7 +738,7 @@ def tile_state_scale(sState: cute.Tensor, vec: cutlass.Constexpr[int], sAmax: cu
     for r in cutlass.range(rows, unroll=2):
         rS = cute.make_rmem_tensor((vec,), Float32)
         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-        amax = _max_nan(amax, lane_amax(rS))
+        amax = max_nan(amax, lane_amax(rS))
     return cta_state_scale(amax, sAmax)
 
 
@@ -746,15 +746,26 @@ def tile_state_scale(sState: cute.Tensor, vec: cutlass.Constexpr[int], sAmax: cu
 def cta_state_scale(amax: Float32, sAmax: cute.Tensor) -> Float32:
     """nvfp4's G of a state whose |values| the CTA's lanes each bound by ``amax`` (NaN-propagating
     max over the CTA through ``sAmax``, a slot per warp). Every thread calls it."""
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    return warps_state_scale(amax, sAmax, cute.arch.make_warp_uniform(cute.arch.warp_idx()), Int32(0), 0)
+
+
+@cute.jit
+def warps_state_scale(amax: Float32, sAmax: cute.Tensor, slot: Int32, barrier_id: Int32,
+                      threads: cutlass.Constexpr[int]) -> Float32:
+    """``cta_state_scale`` over the ``threads`` threads that meet at named barrier ``barrier_id``
+    (``threads`` 0: the whole CTA at __syncthreads), warp ``slot`` of ``sAmax`` (a slot per warp
+    taking part)."""
     lane = cute.arch.lane_idx()
     amax = _group_max(amax, 32)
     if lane == 0:
-        sAmax[warp] = amax
-    cute.arch.sync_threads()
+        sAmax[slot] = amax
+    if cutlass.const_expr(threads == 0):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
     total = sAmax[0]
     for w in cutlass.range_constexpr(1, cute.size(sAmax)):
-        total = _max_nan(total, sAmax[w])
+        total = max_nan(total, sAmax[w])
     return nvfp4_state_scale(total)
 
 
@@ -763,7 +774,7 @@ def lane_amax(values: cute.Tensor) -> Float32:
     """max |v| over the lane's values, NaN-propagating."""
     amax = Float32(0.0)
     for v in cutlass.range_constexpr(cute.size(values)):
-        amax = _max_nan(amax, _abs(values[v]))
+        amax = max_nan(amax, _abs(values[v]))
     return amax
 
 

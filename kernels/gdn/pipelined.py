@@ -48,13 +48,13 @@ from cutlass.memory import SmemAllocator
 
 from ..common import make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
 from ..limits import MAX_CAPACITY
-from ..pipeline import (acquire_stage, as_column, box_partition, copy_records_async, pipeline_check, producer_prefetch,
-                        publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
+                        producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
+                        stages_smem_bytes, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
-DOTS_BARRIER = 1  # named barrier of the consumer warps (0 is the CTA's)
 META = 8  # scalars of an item staged by the producer
 
 
@@ -407,7 +407,7 @@ class GDNPipelinedDecode:
                         w_l = cute.arch.shuffle_sync(w_j, j_l)
                         if lane % (1 << dot_shift) == 0 and value < 2 * pos_per_warp and p_l < cap:
                             sRingDot[value % 2, p_l, stage] = cutlass.select_(j_l < h, w_l * dot, Float32(0.0))
-                        cute.arch.barrier(barrier_id=DOTS_BARRIER, number_of_threads=32 * CW)
+                        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
                         for p in cutlass.range_constexpr(cap):
                             u_p = sRingU[p, r0 + lr, stage].to(Float32)
                             ring_k = ring_k + sRingDot[0, p, stage] * u_p

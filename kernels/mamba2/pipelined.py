@@ -6,7 +6,8 @@ work items, one item per (batch row, head), items ``bid, bid + grid, ...``. Warp
 producer, the other warps consume:
 
 - the producer fills a ring of ``stages`` shared-memory stages (protocol: kernels/pipeline.py),
-  each holding everything one item needs: the head's (P, N) checkpoint tile (one TMA box), the
+  each holding everything one item needs: the head's (P, N) state tile (one TMA box; see read
+  copies below), the
   live ring records of the head (x) and of its group (B, dt; stale positions stored as zeros),
   this token's x, z, B, C (cp.async, 16 bytes a lane) and the item's scalars (slot, h, origin,
   dt, A, D, dt_bias), loaded a chunk of items ahead and stored into the stage. B sits in a key matrix:
@@ -20,9 +21,15 @@ So the bytes in flight per SM come from the stages (``stages - 1`` items ahead o
 not from how long a CTA lives. Consumer warp c owns state rows [c RW, (c + 1) RW) (RW <= 16, one
 lane per row for the per-row terms); each lane holds N / 32 consecutive columns of a row.
 
+Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's tile is the head's
+read copy (its TMA box, the block scales by cp.async), decoded by the consumers (state_io); a flushing
+item's stage holds no tile: the producer prefetches the head's checkpoint into L2, the consumers load
+their rows from it, fold them in registers and store the checkpoint and the read copy (RTN; nvfp4's
+state scale reduced over the consumer warps). Stages are then smaller, so more of them fit.
+
 Tensor contract: as ``kernels/mamba2/decode.py`` (same arguments, same order), restricted to an
-fp32 checkpoint without read copy (``Mamba2PipeConfig.check``): the copy arguments after mPlan
-are None.
+fp32 checkpoint, with or without a read copy (``Mamba2PipeConfig.check``): the checkpoint scales and
+the SR seed are None.
 
 | name        | shape            | dtype   | access | meaning                                        |
 |-------------|------------------|---------|--------|------------------------------------------------|
@@ -35,9 +42,10 @@ are None.
 | out         | (b, H, P)        | act     | W      | y (pad rows left untouched)                    |
 | ring_x / ring_B / ring_dt | (S, cap, H, P) / (S, cap, G, N) / (S, cap, H) | act / act / fp32 | R / W | records (L > 1) |
 | plan        | (b, 4)           | int32   | R      | (slot, h, origin, sr_writes) (L > 1)           |
+| read / read_scale / read_state_scale | state_io's table | fp16 / fp8 / nvfp4 | R / W on flush | read copy (optional) |
 
-The kernel takes this token's tensors as a ``Mamba2Token`` and the records with the plan as a
-``Mamba2Ring``.
+The kernel takes this token's tensors as a ``Mamba2Token``, the records with the plan as a
+``Mamba2Ring`` and the read copy as a ``ReadCopy``.
 """
 
 from dataclasses import dataclass
@@ -45,20 +53,25 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..common import (SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
                       slot_rows, softplus, warp_reduce_many, warp_sum)
 from ..limits import MAX_CAPACITY
-from ..pipeline import (acquire_stage, as_column, as_row, box_partition, copy_records_async, copy_rows_async,
-                        pipeline_check, producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of,
-                        staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
+                        copy_records_async, copy_rows_async, flat, pipeline_check, prefetch_l2, producer_prefetch,
+                        publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..state_io import decode_slice, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
 from .config import Mamba2Shape
 
-MAX_ROWS_PER_WARP = 16  # a consumer warp keeps its rows' folded state in registers: RW x N / 32 values
+MAX_CTAS_PER_SM = 4  # a register cap of 65536 / (4 x 32 (1 + 4)) = 102 per thread for Super's 5 warps
+ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
+MAX_CONSUMER_GROUPS = 8
+MAX_WARPS = 32
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+READ_STATE_SCALE = 4  # the fp32 scalar slot holding an nvfp4 read copy's state scale
 
 
 class Mamba2Token(NamedTuple):
@@ -86,43 +99,86 @@ class Mamba2Ring(NamedTuple):
 @dataclass(frozen=True)
 class Mamba2PipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
-    ``ctas`` CTAs in the persistent grid (the SM count, or a multiple of it); consumer warps
-    follow from headdim (RW = P / warps rows each, at most 16); ``prefetch`` items whose scalars
-    the producer loads in one round (a lane each; kernels/pipeline.py)."""
+    ``ctas`` CTAs in the persistent grid (the SM count, or a multiple of it); an item's consumer
+    warps follow from headdim (RW = P / warps rows each, at most ``rows_per_warp``, 16 or 32), and
+    ``consumer_groups`` groups of them take turns at the items (group g the CTA's items g, g + G,
+    ...), so that many items are computed at once; ``prefetch`` items whose scalars the producer
+    loads in one round (a lane each; kernels/pipeline.py); ``min_ctas_per_sm`` > 0 caps registers
+    so that many CTAs fit an SM (as the tile configs' field)."""
 
     stages: int = 4
     ctas: int = 132
     mma_fold: bool = True  # a flush folds on tensor cores (16-row warps), else on CUDA cores
     prefetch: int = 4
+    min_ctas_per_sm: int = 0
+    rows_per_warp: int = 16
+    consumer_groups: int = 1
+
+    @staticmethod
+    def tile_bytes(shape: Mamba2Shape) -> int:
+        """A stage's state tile: the fp32 checkpoint, or the read copy with its block scales."""
+        P, N = shape.headdim, shape.dstate
+        read = shape.copies.read
+        if read is None:
+            return P * N * 4
+        return P * read.row_bytes + read.scale_smem_bytes(P)
 
     def consumer_warps(self, shape: Mamba2Shape) -> int:
+        """An item's consumer warps: the fewest that split headdim into at most ``rows_per_warp`` rows each."""
         return next(w for w in range(1, shape.headdim + 1)
-                    if shape.headdim % w == 0 and shape.headdim // w <= MAX_ROWS_PER_WARP)
+                    if shape.headdim % w == 0 and shape.headdim // w <= self.rows_per_warp)
+
+    def warps(self, shape: Mamba2Shape) -> int:
+        """A CTA's warps: the producer and every group's consumers."""
+        return 1 + self.consumer_groups * self.consumer_warps(shape)
 
     def stage_bytes(self, shape: Mamba2Shape) -> int:
         P, N, cap = shape.headdim, shape.dstate, shape.capacity
         act = shape.act_dtype.width // 8
         ring = cap * P * act if shape.window > 1 else 0
-        return P * N * 4 + ring + key_rows(shape) * N * act + (2 * P + N) * act + 32 * 4 + 2 * META * 4 + 128
+        return (self.tile_bytes(shape) + ring + key_rows(shape) * N * act + (2 * P + N) * act + 32 * 4 + 2 * META * 4
+                + (4 * self.consumer_warps(shape) if shape.copies.whole_state else 0) + 128)
 
     def smem_bytes(self, shape: Mamba2Shape) -> int:
         return stages_smem_bytes(self.stages, self.stage_bytes(shape))
 
     def key(self):
-        return ("pipe", self.stages, self.ctas, self.mma_fold, self.prefetch)
+        return ("pipe", self.stages, self.ctas, self.mma_fold, self.prefetch, self.min_ctas_per_sm, self.rows_per_warp,
+                self.consumer_groups)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         P, N = shape.headdim, shape.dstate
-        if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
-            return "the pipelined decode takes an fp32 checkpoint without read copy"
+        if shape.checkpoint_format != "fp32":
+            return "the pipelined decode takes an fp32 checkpoint (with or without a read copy)"
         if N % 32 or N > 256:
             return f"dstate {N}: the kernel needs a multiple of 32 up to 256"
+        if shape.read_copy is not None:
+            reason = shape.copies.check(N // 32, P, P)
+            if reason is not None:
+                return reason
+            if self.mma_fold:
+                return "a flush next to a read copy folds its rows in registers: mma_fold must be False"
         if P > 256 or P % 8:
             return f"headdim {P}: the kernel needs a multiple of 8 up to 256 (one TMA box per head)"
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
-        if self.mma_fold and P % 16:
-            return f"headdim {P}: the tensor-core fold needs 16-row warps (a multiple of 16; mma_fold=False folds on CUDA cores)"
+        if self.rows_per_warp not in ROWS_PER_WARP:
+            return f"rows_per_warp {self.rows_per_warp}: expected one of {ROWS_PER_WARP}"
+        if not 1 <= self.consumer_groups <= MAX_CONSUMER_GROUPS:
+            return f"consumer_groups {self.consumer_groups}: expected 1..{MAX_CONSUMER_GROUPS}"
+        if self.stages % self.consumer_groups:
+            # a stage is then always used by the same group, in order: a group a lap ahead of
+            # another's pending use of a stage would see that use's mbarrier phase as its own
+            return f"consumer_groups {self.consumer_groups}: must divide the stages ({self.stages})"
+        if self.warps(shape) > MAX_WARPS:
+            return f"{self.warps(shape)} warps a CTA (at most {MAX_WARPS})"
+        if self.mma_fold and P // self.consumer_warps(shape) != 16:
+            return (f"headdim {P}: the tensor-core fold needs 16-row warps (a multiple of 16 with rows_per_warp 16; "
+                    "mma_fold=False folds on CUDA cores)")
+        if not 0 <= self.min_ctas_per_sm <= MAX_CTAS_PER_SM:
+            return f"min_ctas_per_sm {self.min_ctas_per_sm}: expected 0..{MAX_CTAS_PER_SM}"
+        if self.min_ctas_per_sm * (self.smem_bytes(shape) + 1024) > SMEM_PER_SM:
+            return f"{self.min_ctas_per_sm} CTAs of {self.smem_bytes(shape)} bytes of shared memory do not fit on an SM"
         return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
 
 
@@ -171,6 +227,33 @@ def load_slice(sRow: cute.Tensor, lane: Int32, vec: cutlass.Constexpr[int]) -> c
     return rOut
 
 
+@cute.jit
+def fold_rows(rRows: cute.Tensor, first: cutlass.Constexpr[int], gamma: Float32, own: Float32, rBa: cute.Tensor,
+              sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32, h: Int32, stage, p_warp: Int32, lr: Int32,
+              cap: cutlass.Constexpr[int], ring: cutlass.Constexpr[bool]):
+    """A flush's fold on CUDA cores of the warp's rows first .. first + R - 1 held in ``rRows``
+    (R, vec): S = gamma S + own B (this token; lane r holds warp row r's ``own`` = dt x[r],
+    ``rBa`` the lane's slice of B) + the live ring positions' w_j x_j[r] B_j (lane r reads x_j of
+    warp row ``lr``, lane mod rows)."""
+    lane = cute.arch.lane_idx()
+    R, vec = cute.size(rRows, mode=[0]), cute.size(rRows, mode=[1])
+    for r in cutlass.range_constexpr(R):
+        coef = cute.arch.shuffle_sync(own, first + r)
+        for v in cutlass.range_constexpr(vec):
+            rRows[r, v] = gamma * rRows[r, v] + coef * rBa[v]
+    if cutlass.const_expr(ring):
+        for p in cutlass.range_constexpr(cap):
+            j = (p - origin + cap) % cap
+            w = cute.arch.shuffle_sync(w_j, j)
+            x_p = sRingX[p, p_warp + lr, stage].to(Float32)
+            coef_p = cutlass.select_(j < h, w * x_p, Float32(0.0))
+            rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
+            for r in cutlass.range_constexpr(R):
+                coef = cute.arch.shuffle_sync(coef_p, first + r)
+                for v in cutlass.range_constexpr(vec):
+                    rRows[r, v] = rRows[r, v] + coef * rBp[v]
+
+
 class Mamba2PipelinedDecode:
     """One decode step of a Mamba-2 layer over a pool of slots (see module docstring)."""
 
@@ -210,15 +293,20 @@ class Mamba2PipelinedDecode:
     ):
         s, c = self.shape, self.config
         H, P, N = s.nheads, s.headdim, s.dstate
-        tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), P, N)
+        read = s.copies.read
+        if cutlass.const_expr(read is None):
+            tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), P, N)
+        else:
+            tma_state, mStateTma = make_row_tma(slot_rows(mRead, H * P, read.cols), P, read.cols)
         self.kernel(
             tma_state, mStateTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
-            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
+            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
         ).launch(
             grid=[c.ctas, 1, 1],
-            block=[32 * (1 + self.consumer_warps), 1, 1],
+            block=[32 * c.warps(s), 1, 1],
             smem=c.smem_bytes(s),
             stream=stream,
+            min_blocks_per_mp=c.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
 
@@ -232,6 +320,7 @@ class Mamba2PipelinedDecode:
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
         records: Mamba2Ring,
+        copy: ReadCopy,
     ):
         mX, mDt, mA, mB, mC, mD, mZ, mDtBias = token
         mRingX, mRingB, mRingDt, mPlan = records
@@ -247,7 +336,9 @@ class Mamba2PipelinedDecode:
         ring = L > 1
         KR = key_rows(s)
         per16 = 128 // act.width  # act elements per 16-byte cp.async
-        state_bytes = P * N * 4
+        copies = s.copies
+        read = copies.read
+        box_bytes = P * N * 4 if read is None else P * read.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -257,10 +348,19 @@ class Mamba2PipelinedDecode:
         num_slots = mCheckpoint.shape[0]
         total = mX.shape[0] * H
 
-        # Shared memory, declared once: per stage the item's state tile, ring records, this
-        # token's activations and scalars; a full and an empty mbarrier per stage.
+        # Shared memory, declared once: per stage the item's state tile (the fp32 checkpoint, or
+        # the read copy and its scales), ring records, this token's activations and scalars; a
+        # full and an empty mbarrier per stage.
         smem = SmemAllocator()
-        sState = staged(smem, Float32, (P, N), ST, byte_alignment=128)
+        sState, sRead, sReadScale, sAmax = None, None, None, None
+        if cutlass.const_expr(read is None):
+            sState = staged(smem, Float32, (P, N), ST, byte_alignment=128)
+        else:
+            sRead = staged(smem, read.storage, (P, read.cols), ST, byte_alignment=128)
+            if cutlass.const_expr(read.scale_dtype is not None):
+                sReadScale = staged(smem, read.scale_dtype, (P, read.scales_per_row), ST)
+            if cutlass.const_expr(copies.whole_state):
+                sAmax = staged(smem, Float32, (CW,), ST)
         sRingX = None
         if cutlass.const_expr(ring):
             sRingX = staged(smem, act, (cap, P), ST)
@@ -276,7 +376,10 @@ class Mamba2PipelinedDecode:
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState, (P, N))
+            if cutlass.const_expr(read is None):
+                t_s, t_g = box_partition(tma_state, mStateTma, sState, (P, N))
+            else:
+                t_s, t_g = box_partition(tma_state, mStateTma, sRead, (P, read.cols))
             # key rows past the ring stay zero (published with each stage's first use)
             first_pad = 1 + cap if ring else 1
             for st in cutlass.range_constexpr(ST):
@@ -285,6 +388,11 @@ class Mamba2PipelinedDecode:
                         sKeys[r, lane * (N // 32) + v, st] = act(0.0)
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            scale_piece = 1
+            copy_scale = copy4
+            if cutlass.const_expr(read is not None and read.scale_dtype is not None):
+                scale_piece = 32 // read.scale_dtype.width  # block scales, 4 bytes a copy
+                copy_scale = cute.make_copy_atom(cpasync.CopyG2SOp(), read.scale_dtype, num_bits_per_copy=32)
             # The producer walks its items in chunks of PF: lane u holds the scalars of the
             # chunk's item u, and the next chunk's are loaded while this one is issued, so a
             # load's latency is paid once per chunk behind PF stage waits, not per item.
@@ -307,9 +415,15 @@ class Mamba2PipelinedDecode:
                         h = cute.arch.shuffle_sync(rInt[1], u)
                         origin = cute.arch.shuffle_sync(rInt[2], u)
                         live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                        with_box = live
+                        if cutlass.const_expr(read is not None):
+                            with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
                         acquire_stage(empty, stage, phase)
                         if live:
                             slot64 = Int64(slot)
+                            if cutlass.const_expr(read is not None):
+                                self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head, stage,
+                                                           sReadScale, sMetaF, copy_scale, scale_piece, copy4)
                             # this token's activations and the live ring records (stale positions
                             # as zeros), 16 bytes a lane
                             copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
@@ -332,14 +446,16 @@ class Mamba2PipelinedDecode:
                             sMetaI[2, stage] = origin
                             for k in cutlass.range_constexpr(4):
                                 sMetaF[k, stage] = scalars_f[k]
-                        publish_stage(full, stage, live, state_bytes, tma_state, t_g[None, slot * H + head],
+                        publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, slot * H + head],
                                       t_s[None, stage])
                 rInt.store(rIntNext.load())
                 rFloat.store(rFloatNext.load())
                 chunk = chunk + 1
         else:
             # ------------------------------------------------------------ consumers
-            cw = warp - 1
+            # consumer group g computes the CTA's items g, g + G, ...; cw is the warp's place in it
+            g = (warp - 1) // CW
+            cw = (warp - 1) % CW
             p_warp = cw * RW
             lr = lane % RW
             n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
@@ -347,11 +463,11 @@ class Mamba2PipelinedDecode:
             n_pos = pow2_at_least(cap)
             pos_shift = 5 - (n_pos.bit_length() - 1)
             it = Int32(0)
-            for item in cutlass.range(bid, total, grid, unroll=1):
+            for item in cutlass.range(bid + g * grid, total, grid * c.consumer_groups, unroll=1):
                 row = item // H
                 head = item % H
                 group = head // heads_per_group
-                stage, phase = stage_of(it, ST)
+                stage, phase = stage_of(it * c.consumer_groups + g, ST)
                 wait_stage(full, stage, phase)
                 slot = sMetaI[0, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
@@ -390,10 +506,25 @@ class Mamba2PipelinedDecode:
                     # the same whether or not the row folds (C . S_new expands to it).
                     rDots = cute.make_rmem_tensor((n_rows,), Float32)
                     rDots.fill(0.0)
-                    for r in cutlass.range_constexpr(RW):
-                        rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
-                        for v in cutlass.range_constexpr(vec):
-                            rDots[r] = rDots[r] + rS[v] * rC[v]
+                    if cutlass.const_expr(read is None):
+                        for r in cutlass.range_constexpr(RW):
+                            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
+                            for v in cutlass.range_constexpr(vec):
+                                rDots[r] = rDots[r] + rS[v] * rC[v]
+                    elif flush:  # the dots come with the fold, from the checkpoint's rows
+                        self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, g, cw, stage, gamma,
+                                                     dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, sAmax)
+                    else:
+                        state_scale = Float32(1.0)
+                        if cutlass.const_expr(read.has_state_scale):
+                            state_scale = sMetaF[READ_STATE_SCALE, stage]
+                        for r in cutlass.range_constexpr(RW):
+                            rS = cute.make_rmem_tensor((vec,), Float32)
+                            scale = smem_scale(read, sReadScale, stage, p_warp + r, lane * vec, state_scale)
+                            decode_slice(read, cute.local_tile(sRead[p_warp + r, None, stage], (read.per_lane(vec),),
+                                                               (lane,)), scale, rS)
+                            for v in cutlass.range_constexpr(vec):
+                                rDots[r] = rDots[r] + rS[v] * rC[v]
                     y_row = gamma * cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
@@ -416,7 +547,9 @@ class Mamba2PipelinedDecode:
                             ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
                     if flush:
                         # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
-                        if cutlass.const_expr(c.mma_fold):
+                        if cutlass.const_expr(read is not None):
+                            pass  # folded and stored with the dots above
+                        elif cutlass.const_expr(c.mma_fold):
                             rCoef = fold_coefficients(sX, sRingX, stage, p_warp, dt_cur, w_j, origin, h, cap, KR, ring)
                             fold_into_checkpoint(
                                 cute.local_tile(mCheckpoint[slot64, head, None, None], (RW, N), (cw, 0)),
@@ -426,25 +559,9 @@ class Mamba2PipelinedDecode:
                         else:
                             rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
                             for r in cutlass.range_constexpr(RW):
-                                rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
-                                for v in cutlass.range_constexpr(vec):
-                                    rAcc[r, v] = gamma * rS[v]
-                            own = dt_cur * x_cur
-                            for r in cutlass.range_constexpr(RW):
-                                coef = cute.arch.shuffle_sync(own, r)
-                                for v in cutlass.range_constexpr(vec):
-                                    rAcc[r, v] = rAcc[r, v] + coef * rBa[v]
-                            if cutlass.const_expr(ring):
-                                for p in cutlass.range_constexpr(cap):
-                                    j = (p - origin + cap) % cap
-                                    w = cute.arch.shuffle_sync(w_j, j)
-                                    x_p = sRingX[p, p_warp + lr, stage].to(Float32)
-                                    coef_p = cutlass.select_(j < h, w * x_p, Float32(0.0))
-                                    rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
-                                    for r in cutlass.range_constexpr(RW):
-                                        coef = cute.arch.shuffle_sync(coef_p, r)
-                                        for v in cutlass.range_constexpr(vec):
-                                            rAcc[r, v] = rAcc[r, v] + coef * rBp[v]
+                                cute.autovec_copy(load_slice(sState[p_warp + r, None, stage], lane, vec), rAcc[r, None])
+                            fold_rows(rAcc, 0, gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, stage,
+                                      p_warp, lr, cap, ring)
                             for r in cutlass.range_constexpr(RW):
                                 cute.autovec_copy(rAcc[r, None], cute.local_tile(
                                     mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
@@ -473,6 +590,75 @@ class Mamba2PipelinedDecode:
                 release_stage(empty, stage)
                 it = it + 1
 
+
+    @cute.jit
+    def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, mCheckpoint: cute.Tensor, copy: ReadCopy,
+                                slot64: Int64, head: Int32, g: Int32, cw: Int32, stage: Int32, gamma: Float32, own: Float32,
+                                rBa: cute.Tensor, sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32, h: Int32,
+                                sAmax):
+        """Consumer warp ``cw`` of group ``g``, a flushing item next to a read copy: its rows of the checkpoint
+        (prefetched into L2 by the producer) a chunk at a time from global memory into registers,
+        their dots with C into ``rDots``, folded (``fold_rows``) and stored into the checkpoint and
+        the read copy (RTN). nvfp4's state scale needs the whole head first: one pass folds for
+        the amax (reduced over the consumer warps), a second loads, folds and stores again."""
+        s = self.shape
+        copies = s.copies
+        P, N, cap = s.headdim, s.dstate, s.capacity
+        CW = self.consumer_warps
+        RW = P // CW
+        vec = N // 32
+        chunk = min(RW, max(1, 32 // vec))  # rows held at once: 32 values a lane
+        lane = cute.arch.lane_idx()
+        p_warp = cw * RW
+        lr = lane % RW
+        ring = s.window > 1
+        passes = 2 if copies.whole_state else 1
+        state_scale = Float32(1.0)
+        amax = Float32(0.0)
+        for pass_ in cutlass.range_constexpr(passes):
+            for first in cutlass.range_constexpr(0, RW, chunk):
+                rows = min(chunk, RW - first)
+                rRows = cute.make_rmem_tensor(cute.make_layout((rows, vec), stride=(vec, 1)), Float32)
+                for r in cutlass.range_constexpr(rows):
+                    cute.autovec_copy(cute.local_tile(mCheckpoint[slot64, head, p_warp + first + r, None], (vec,),
+                                                      (lane,)), rRows[r, None])
+                if cutlass.const_expr(pass_ == 0):
+                    for r in cutlass.range_constexpr(rows):
+                        for v in cutlass.range_constexpr(vec):
+                            rDots[first + r] = rDots[first + r] + rRows[r, v] * rC[v]
+                fold_rows(rRows, first, gamma, own, rBa, sKeys, sRingX, w_j, origin, h, stage, p_warp, lr, cap, ring)
+                if cutlass.const_expr(pass_ + 1 < passes):
+                    amax = max_nan(amax, lane_amax(rRows))
+                else:
+                    for r in cutlass.range_constexpr(rows):
+                        store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
+                                     p_warp + first + r, state_scale, Uint32(0))
+            if cutlass.const_expr(pass_ + 1 < passes):
+                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
+                if cw == 0:
+                    if lane == 0:
+                        copy.mStateScale[slot64, head] = state_scale
+
+    @cute.jit
+    def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head: Int32,
+                              stage: Int32, sReadScale, sMetaF: cute.Tensor, copy_scale: cute.CopyAtom,
+                              scale_piece: cutlass.Constexpr[int], copy4: cute.CopyAtom):
+        """Producer, a live item next to a read copy: with the tile (``with_box``, a non-flushing
+        item) the head's block scales and nvfp4 state scale by cp.async into the stage; else (a
+        flush) the head's checkpoint prefetched into L2 for the consumers' row loads."""
+        s = self.shape
+        read = s.copies.read
+        P, N = s.headdim, s.dstate
+        if with_box:
+            if cutlass.const_expr(read.scale_dtype is not None):
+                count = P * read.scales_per_row
+                copy_rows_async(copy_scale, flat(copy.mScale[slot64, head, None, None], count),
+                                flat(sReadScale[None, None, stage], count), scale_piece)
+            if cutlass.const_expr(read.has_state_scale):
+                copy_rows_async(copy4, flat(cute.local_tile(copy.mStateScale[slot64, None], (1,), (head,)), 1),
+                                flat(cute.local_tile(sMetaF[None, stage], (1,), (READ_STATE_SCALE,)), 1), 1)
+        elif cute.arch.lane_idx() == 0:
+            prefetch_l2(mCheckpoint[slot64, head, None, None], P * N * 4)
 
     @cute.jit
     def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor,
@@ -515,9 +701,22 @@ def pipelined_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[M
     groups overlap one item's compute with the other's; measured on the H200 with Nemotron-3-Super:
     305 against 316 us at batch 256 for one CTA of five stages), else one CTA per SM with as many
     stages as fit (up to 6); None if the kernel cannot take `shape`. The conventional step
-    (window 1: a rank-1 update, one FMA per element) folds on CUDA cores, in plain fp32. The
-    producer's chunk is the target's (kernels/pipeline.py)."""
-    mma_fold = shape.headdim % 16 == 0 and shape.window > 1
+    (window 1: a rank-1 update, one FMA per element) and a flush next to a read copy (its rows
+    come from global memory into registers) fold on CUDA cores, in plain fp32. The producer's
+    chunk is the target's (kernels/pipeline.py).
+
+    Next to a read copy the stages are small and the consumers' work per item (decoding the copy)
+    is the limit, so more items are computed at once: two CTAs per SM (registers capped to fit),
+    each with two consumer groups of 32-row warps, and the most stages that fit (measured on the
+    H200, Nemotron-3-Super with an fp16 copy, batch 256, non-flush step: 148 us, against 195 us
+    for one 16-row group per CTA and 206-277 us with one CTA per SM; sweeps/results/README.md)."""
+    if shape.read_copy is not None:
+        for stages in range(MAX_STAGES, 1, -1):
+            config = Mamba2PipeConfig(stages=stages, ctas=2 * sm_count, mma_fold=False, prefetch=producer_prefetch(arch),
+                                      min_ctas_per_sm=2, rows_per_warp=32, consumer_groups=2)
+            if config.check(shape) is None:
+                return config
+    mma_fold = shape.headdim % 16 == 0 and shape.window > 1 and shape.read_copy is None
     for ctas_per_sm in (2, 1):
         for stages in range(6, 1, -1):
             config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold,

