@@ -66,7 +66,7 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, a
 from ..state_io import decode_slice, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
 from .config import Mamba2Shape
 
-MAX_CTAS_PER_SM = 4  # a register cap of 65536 / (4 x 32 (1 + 4)) = 102 per thread for Super's 5 warps
+MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 MAX_CONSUMER_GROUPS = 8
 MAX_WARPS = 32
@@ -547,24 +547,23 @@ class Mamba2PipelinedDecode:
                             ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
                     if flush:
                         # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
-                        if cutlass.const_expr(read is not None):
-                            pass  # folded and stored with the dots above
-                        elif cutlass.const_expr(c.mma_fold):
-                            rCoef = fold_coefficients(sX, sRingX, stage, p_warp, dt_cur, w_j, origin, h, cap, KR, ring)
-                            fold_into_checkpoint(
-                                cute.local_tile(mCheckpoint[slot64, head, None, None], (RW, N), (cw, 0)),
-                                cute.make_tensor(sState.iterator + p_warp * N,
-                                                 cute.make_layout((RW, N, ST), stride=(N, 1, P * N))),
-                                stage, rCoef, sKeys[None, None, stage], gamma, fold_cols(N), act.width <= 16)
-                        else:
-                            rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
-                            for r in cutlass.range_constexpr(RW):
-                                cute.autovec_copy(load_slice(sState[p_warp + r, None, stage], lane, vec), rAcc[r, None])
-                            fold_rows(rAcc, 0, gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, stage,
-                                      p_warp, lr, cap, ring)
-                            for r in cutlass.range_constexpr(RW):
-                                cute.autovec_copy(rAcc[r, None], cute.local_tile(
-                                    mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
+                        if cutlass.const_expr(read is None):  # (next to a read copy: folded with the dots above)
+                            if cutlass.const_expr(c.mma_fold):
+                                rCoef = fold_coefficients(sX, sRingX, stage, p_warp, dt_cur, w_j, origin, h, cap, KR, ring)
+                                fold_into_checkpoint(
+                                    cute.local_tile(mCheckpoint[slot64, head, None, None], (RW, N), (cw, 0)),
+                                    cute.make_tensor(sState.iterator + p_warp * N,
+                                                     cute.make_layout((RW, N, ST), stride=(N, 1, P * N))),
+                                    stage, rCoef, sKeys[None, None, stage], gamma, fold_cols(N), act.width <= 16)
+                            else:
+                                rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
+                                for r in cutlass.range_constexpr(RW):
+                                    cute.autovec_copy(load_slice(sState[p_warp + r, None, stage], lane, vec), rAcc[r, None])
+                                fold_rows(rAcc, 0, gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, stage,
+                                          p_warp, lr, cap, ring)
+                                for r in cutlass.range_constexpr(RW):
+                                    cute.autovec_copy(rAcc[r, None], cute.local_tile(
+                                        mCheckpoint[slot64, head, p_warp + r, None], (vec,), (lane,)))
                     else:
                         if cutlass.const_expr(ring):
                             # append this token's record (B and dt once per group / head)
