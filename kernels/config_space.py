@@ -38,6 +38,14 @@ def register_budget(num_warps: int, min_ctas_per_sm: int) -> int:
 
 
 LAUNCH_FIELDS = ("rows_per_cta", "num_warps", "min_ctas_per_sm")
+# The pipelined decode kernels' configs (kernels/*/pipelined.py) share these; a tuned-file entry
+# is one of theirs when its config has "stages" (``pipelined_launch_check``).
+PIPELINED_FIELDS = ("stages", "ctas", "prefetch")
+PIPELINED_BOOL_FIELDS = ("mma_fold",)
+PIPELINE_STAGE_CHOICES = (2, 3, 4, 5, 6, 8, 10, 12, 16)  # the tuner's stage counts
+MAX_STAGES = 16
+MAX_CTAS = 4096
+PREFETCH_CHOICES = (1, 2, 4)
 VERIFY_ROWS_PER_WARP = 16  # the verify kernels' warps each take an m16n8k8 MMA's M rows
 
 
@@ -70,6 +78,25 @@ def launch_check(rows_per_cta, num_warps, min_ctas_per_sm) -> Optional[str]:
     if register_budget(num_warps, min_ctas_per_sm) == 0:
         return (f"min_ctas_per_sm {min_ctas_per_sm}: {min_ctas_per_sm} CTAs of {num_warps} warps are "
                 f"{min_ctas_per_sm * num_warps * 32} threads, more than an SM holds ({THREADS_PER_SM})")
+    return None
+
+
+def pipelined_launch_check(config: dict) -> Optional[str]:
+    """None if a pipelined config's fields (a tuned-file entry's) make a launch at all, else why
+    not, naming the field: ints (bools for PIPELINED_BOOL_FIELDS), 2..MAX_STAGES stages,
+    1..MAX_CTAS CTAs, a producer chunk of PREFETCH_CHOICES. The kernel's check adds the rest."""
+    for name in PIPELINED_FIELDS:
+        if name not in config:
+            return f"{name}: missing (a pipelined config has {', '.join(PIPELINED_FIELDS)})"
+    for name, value in config.items():
+        if type(value) is not (bool if name in PIPELINED_BOOL_FIELDS else int):
+            return f"{name} {value!r}: expected {'a bool' if name in PIPELINED_BOOL_FIELDS else 'an int'}"
+    if not 2 <= config["stages"] <= MAX_STAGES:
+        return f"stages {config['stages']}: expected 2..{MAX_STAGES}"
+    if not 1 <= config["ctas"] <= MAX_CTAS:
+        return f"ctas {config['ctas']}: expected 1..{MAX_CTAS}"
+    if config["prefetch"] not in PREFETCH_CHOICES:
+        return f"prefetch {config['prefetch']}: expected one of {PREFETCH_CHOICES}"
     return None
 
 

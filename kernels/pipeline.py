@@ -18,16 +18,14 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import SMEM_PER_CTA
+from .config_space import MAX_CTAS, MAX_STAGES, PREFETCH_CHOICES
 
 # Items whose inputs the producer loads in one round (``prefetch`` of the pipelined configs): 4 on sm_90a
 # (measured on the H200), 2 where the compiler's register budget is tighter (sm_100a / sm_103a: at 4,
 # ptxas spills in GDN's whole-head kernel and Mamba-2's headdim-80 one).
 PREFETCH_BY_ARCH = {"sm_90a": 4}
 PREFETCH_OTHER = 2
-PREFETCH_CHOICES = (1, 2, 4)
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
-MAX_STAGES = 16
-MAX_CTAS = 4096
 CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
 
 

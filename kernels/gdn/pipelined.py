@@ -38,7 +38,7 @@ The kernel takes this token's tensors as a ``GDNToken`` and the records with the
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -46,7 +46,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from ..common import SMEM_PER_SM, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
                         producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
@@ -126,6 +127,26 @@ class GDNPipeConfig:
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
+
+
+def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeConfig]:
+    """The configs the tuner times (replayssm_cute.tune) where ``pipelined_config`` serves
+    ``shape``: one or two CTAs per SM, whole or half heads per item, 8- or 16-row consumer warps,
+    the stage counts of PIPELINE_STAGE_CHOICES that fit, the target's producer chunk; [] where it
+    serves nothing."""
+    default = pipelined_config(shape, sm_count, arch)
+    if default is None:
+        return []
+    V = shape.head_v_dim
+    configs = []
+    for per_sm in (1, 2):
+        for rows in sorted({V, V // 2}, reverse=True):
+            for rows_per_warp in ROWS_PER_WARP:
+                for stages in PIPELINE_STAGE_CHOICES:
+                    config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp, default.prefetch)
+                    if config.check(shape) is None and per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+                        configs.append(config)
+    return configs
 
 
 def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNPipeConfig]:

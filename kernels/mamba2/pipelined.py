@@ -49,7 +49,7 @@ The kernel takes this token's tensors as a ``Mamba2Token``, the records with the
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -59,6 +59,7 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
                       slot_rows, softplus, warp_reduce_many, warp_sum)
+from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
                         copy_records_async, copy_rows_async, flat, pipeline_check, prefetch_l2, producer_prefetch,
@@ -693,6 +694,28 @@ def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, optio
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     args = fake_inputs(shape)
     return cute.compile(Mamba2PipelinedDecode(shape, config), *args.values(), stream, options=options)
+
+
+def pipelined_space(shape: Mamba2Shape, sm_count: int, arch: str) -> List[Mamba2PipeConfig]:
+    """The configs the tuner times (replayssm_cute.tune) where ``pipelined_config`` serves
+    ``shape``: one or two CTAs per SM (registers capped for two of several consumer groups), one or
+    two consumer groups of 16- or 32-row warps, the stage counts of PIPELINE_STAGE_CHOICES that fit
+    (multiples of the groups), the default's fold where the warps have its 16 rows, the target's
+    producer chunk; [] where it serves nothing."""
+    default = pipelined_config(shape, sm_count, arch)
+    if default is None:
+        return []
+    configs = []
+    for per_sm in (1, 2):
+        for groups in (1, 2):
+            for rows in ROWS_PER_WARP:
+                for stages in PIPELINE_STAGE_CHOICES:
+                    config = Mamba2PipeConfig(stages, per_sm * sm_count, default.mma_fold and rows == 16,
+                                              default.prefetch, per_sm if per_sm > 1 and groups > 1 else 0, rows,
+                                              groups)
+                    if config.check(shape) is None and per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+                        configs.append(config)
+    return configs
 
 
 def pipelined_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[Mamba2PipeConfig]:

@@ -64,12 +64,13 @@ def config_label(config) -> str:
         label = f"pipe{config.stages}_grid{config.ctas}"
         if hasattr(config, "rows_per_item"):  # GDN's
             label += f"_rows{config.rows_per_item}_warps{config.consumer_warps()}"
-        elif not config.mma_fold:
+            return label + (f"_prefetch{config.prefetch}" if config.prefetch != 4 else "")
+        if not config.mma_fold:
             label += "_cudafold"
         label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
-        if getattr(config, "consumer_groups", 1) != 1 or getattr(config, "rows_per_warp", 16) != 16:  # Mamba-2's
+        if (config.consumer_groups, config.rows_per_warp) != (1, 16):
             label += f"_groups{config.consumer_groups}_rpw{config.rows_per_warp}"
-        return label + (f"_ctas{config.min_ctas_per_sm}" if getattr(config, "min_ctas_per_sm", 0) else "")
+        return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:
         label += f"_ctas{config.min_ctas_per_sm}"

@@ -42,10 +42,13 @@ achieved TB/s on the ideal bytes (perf.ideal_bytes, perf.verify_ideal_bytes: 16-
 activations) and the speedup over the analytical default. --compile-only builds the candidates
 and stops (no GPU needed with CUTE_DSL_ARCH set).
 
-The tuned kernels are the tile kernels (kernels/*/decode.py, verify.py). On sm_90a, standard
-decode on an fp32 checkpoint of a Mamba-2 layer (conventional and ReplaySSM) and of a GDN layer
-(ReplaySSM, from batch 8) runs the pipelined kernels (kernels/*/pipelined.py) instead; the tile
-entries tuned for those serve them only under REPLAYSSM_CUTE_PIPELINED=0.
+Each batch bucket is tuned on the kernel decode / verify runs there: the tile kernels
+(kernels/*/decode.py, verify.py), or where decode runs the pipelined kernels (kernels/*/pipelined.py:
+on sm_90a Mamba-2 standard decode on an fp32 checkpoint, alone or next to an fp16 read copy, and GDN
+ReplaySSM decode from batch 8; anywhere under REPLAYSSM_CUTE_PIPELINED=1) their space: stages, CTAs
+per SM, rows per item / consumer warp and Mamba-2's consumer groups (``pipelined_space``). A tuned
+entry replaces only a default of its own class, so run the tuner under REPLAYSSM_CUTE_PIPELINED=0 to
+tune the tile kernels where the pipeline is the default.
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 from .kernels.limits import MAX_CAPACITY, MAX_DRAFT
-from .layers.common import PIPELINED_ENV
 from .models import MODELS, ModelSpec, get_model
 from .precompile import config_label, init_worker, path_error
 from .runtime.tuning import BATCH_BUCKETS, MODES
@@ -154,14 +156,37 @@ class TuneTarget:
     def candidates(self, space: str = "full") -> list:
         """The layer config class's space (kernels/config_space.py) that the kernel takes; with
         `space` "compact", for decode modes only the part where the H200 winners lie
-        (``in_compact_space``)."""
+        (``in_compact_space``); then, where decode runs the pipelined kernel at some bucket, its
+        space (``pipelined_candidates``)."""
         from .layers import LAYERS
 
         space_of = LAYERS[self.model.layer].launch_config().space
         configs = [c for c in space_of(self.model.headdim) if self.check(c) is None]
         if space == "compact" and self.mode != "verify":
             configs = [c for c in configs if in_compact_space(c, self.read_copy is not None)]
-        return configs
+        return configs + self.pipelined_candidates()
+
+    def pipelined_candidates(self) -> list:
+        """The pipelined decode's space (kernels/*/pipelined.py ``pipelined_space``) that the
+        kernel takes, where its default at some batch bucket is the pipelined kernel (on the
+        targets it is the default on, or under REPLAYSSM_CUTE_PIPELINED=1); else []."""
+        import importlib
+
+        from .layers.common import sm_count, target_arch
+
+        if self.mode == "verify":
+            return []
+        module = importlib.import_module(f"replayssm_cute.kernels.{self.model.layer}.pipelined")
+        pipe_class = type(module.pipelined_config(self.shape(), sm_count(), target_arch()))
+        if not any(type(self.default_config(b)) is pipe_class for b in BATCH_BUCKETS):
+            return []
+        return [c for c in module.pipelined_space(self.shape(), sm_count(), target_arch()) if self.check(c) is None]
+
+    def batch_candidates(self, candidates, batch: int) -> list:
+        """Of ``candidates``, those of the kernel that decode runs at ``batch`` (the default's
+        class: a tuned entry replaces the default only with a config of its class), default first."""
+        default = self.default_config(batch)
+        return [default] + [c for c in candidates if c != default and type(c) is type(default)]
 
     def compile(self, config):
         """Build (or load) the kernel at `config` into the compile cache, under the key decode /
@@ -469,8 +494,8 @@ def tune_one(target: TuneTarget, batch: int, candidates, replays: int, rotation_
     run of a config (``time_batches``)."""
     import torch
 
-    default = target.default_config(batch)
-    configs = [default] + [c for c in candidates if c != default]
+    configs = target.batch_candidates(candidates, batch)
+    default = configs[0]
     check = OutputCheck(target, batch)
     watch(default)
     want = check.run(default)
@@ -758,20 +783,7 @@ def summary(results: List[TuneResult]) -> str:
     return "\n".join(lines)
 
 
-def tile_kernels():
-    """Decode on the tile kernels while the tuner runs (its child processes included): standard
-    decode on an fp32 checkpoint runs the pipelined kernels otherwise where they are the default
-    (Mamba-2; GDN ReplaySSM from batch 8), which tuned entries do not replace; they serve that
-    decode under REPLAYSSM_CUTE_PIPELINED=0 (the pipelines' configs are not tuned yet)."""
-    return environment(PIPELINED_ENV, "0")
-
-
 def main(argv=None) -> int:
-    with tile_kernels():
-        return _main(argv)
-
-
-def _main(argv) -> int:
     args = parse_args(argv)
     arch = _target_arch(args.compile_only)
     if arch is None:
@@ -802,7 +814,8 @@ def _main(argv) -> int:
                 if reason is not None:
                     print(f"{PROG}: {t.label}: the kernel cannot take this shape: {reason}", file=sys.stderr)
                     return 1
-            candidates[t] = list(dict.fromkeys(sorted(defaults, key=lambda c: c.key()) + configs))
+            ordered = sorted(defaults, key=lambda c: (type(c).__name__, c.key()))  # tile and pipelined ones
+            candidates[t] = list(dict.fromkeys(ordered + configs))
         jobs = [(t, c) for t in args.targets for c in candidates[t]]
         print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
               f"launch configs for {arch}", flush=True)
@@ -826,7 +839,8 @@ def _main(argv) -> int:
 
     platform = tuning.current_platform()
     results = []
-    progress = Progress("tune", sum(len(candidates[t]) for t in args.targets) * len(args.batches))
+    progress = Progress("tune", sum(len(t.batch_candidates(candidates[t], b)) for t in args.targets
+                                    for b in args.batches))
     for t in args.targets:
         for r in tune_target(t, args.batches, candidates[t], args.replays, args.pool_mb << 20, progress):
             results.append(r)

@@ -6,6 +6,7 @@ timing processes (a candidate that faults the GPU is dropped, the run goes on).
 Timing needs a GPU: tests/tools/test_tune_gpu.py tunes a small shape end to end.
 """
 
+import dataclasses
 import functools
 import io
 import json
@@ -810,16 +811,63 @@ def test_output_check_runs_every_config_from_the_same_state(monkeypatch, layer, 
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_tuner_runs_on_the_tile_kernels_and_restores_the_choice(monkeypatch):
-    """Tuned entries are the tile kernels': the tuner (and its child processes) decodes on them,
-    and the caller's REPLAYSSM_CUTE_PIPELINED comes back after it, set or not."""
+@pytest.mark.parametrize("name, mode, small, large", [
+    ("nemotron-super", "standard", "pipe", "pipe"), ("nemotron-super", "conventional", "pipe", "pipe"),
+    ("qwen3.5-122b", "standard", "tile", "pipe"), ("qwen3.5-122b", "conventional", "tile", "tile"),
+    ("nemotron-super", "verify", "tile", "tile"),
+])
+def test_each_bucket_is_tuned_on_the_kernel_decode_runs_there(monkeypatch, name, mode, small, large):
+    """Where decode runs the pipelined kernel (sm_90a: Mamba-2 standard decode, GDN ReplaySSM from
+    batch 8) the tuner times its space (stages, CTAs per SM, rows, groups) next to the tile
+    kernels', and at each bucket only the candidates of the kernel the default runs there."""
     from replayssm_cute.layers.common import PIPELINED_ENV
 
-    for before in ("1", None):
-        if before is None:
-            monkeypatch.delenv(PIPELINED_ENV, raising=False)
-        else:
-            monkeypatch.setenv(PIPELINED_ENV, before)
-        with tune.tile_kernels():
-            assert os.environ[PIPELINED_ENV] == "0"
-        assert os.environ.get(PIPELINED_ENV) == before
+    monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    launch.reload()
+    t = _target(get_model(name), mode)
+    candidates = t.candidates()
+    pipelined = t.pipelined_candidates()
+    assert (len(pipelined) > 1) == ("pipe" in (small, large))
+    assert all(c in candidates and t.check(c) is None for c in pipelined)
+    for batch, kind in ((1, small), (256, large)):
+        picked = t.batch_candidates(candidates, batch)
+        assert picked[0] == t.default_config(batch) and len(set(map(type, picked))) == 1
+        assert hasattr(picked[0], "stages") == (kind == "pipe")
+        assert len(picked) > 1
+    monkeypatch.setenv(PIPELINED_ENV, "0")  # the tile kernels everywhere: their space only
+    launch.reload()
+    assert t.pipelined_candidates() == [] and all(not hasattr(c, "stages") for c in t.candidates())
+
+
+def test_pipelined_entries_parse_and_replace_only_a_pipelined_default(monkeypatch):
+    """A tuned pipelined config (a config with "stages") parses with its bounds checked, and a
+    decode picks it only where its default is the pipelined kernel: a tile entry never replaces
+    a pipelined default, nor a pipelined entry a tile one (REPLAYSSM_CUTE_PIPELINED=0)."""
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+    from replayssm_cute.layers.common import PIPELINED_ENV
+
+    shape = _shape()
+    default_pipe = Mamba2PipeConfig(2, 264)
+    tuned = dataclasses.replace(default_pipe, stages=4, ctas=132, mma_fold=True)
+    entry = {**_entry(batch=64), "config": dataclasses.asdict(tuned)}
+    key, batch, fields = tuning.parse_entry(entry)
+    assert batch == 64 and fields == dataclasses.asdict(tuned)
+    for bad, words in [(dict(stages=1), "stages 1"), (dict(ctas=0), "ctas 0"), (dict(prefetch=3), "prefetch 3"),
+                       (dict(mma_fold=1), "expected a bool"), (dict(stages=True), "expected an int")]:
+        with pytest.raises(ValueError, match=words):
+            tuning.parse_entry({**entry, "config": {**dataclasses.asdict(tuned), **bad}})
+    with pytest.raises(ValueError, match="ctas: missing"):
+        tuning.parse_entry({**entry, "config": {"stages": 4, "prefetch": 4}})
+    tuning.write_entries(Path(os.environ[tuning.ENV_USER_FILE]), [entry, _entry(batch=256)])
+    monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    launch.reload()
+    kernel = Mamba2Layer.decode_kernel
+    assert launch.picked_config(kernel, shape, 64) == (tuned, True)
+    config, was_tuned = launch.picked_config(kernel, shape, 256)  # the tile entry: the pipelined default
+    assert isinstance(config, Mamba2PipeConfig) and not was_tuned
+    monkeypatch.setenv(PIPELINED_ENV, "0")
+    launch.reload()
+    assert not isinstance(launch.picked_config(kernel, shape, 64)[0], Mamba2PipeConfig)
+    assert launch.picked_config(kernel, shape, 256)[1]  # the tile entry serves the tile kernel

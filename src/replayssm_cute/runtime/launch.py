@@ -114,7 +114,8 @@ def _tuned_or_default(default, kernel: Kernel, shape, num_drafts: int, bucket: i
         return default
     try:
         tuned = dataclasses.replace(default, **fields)
-    except TypeError:  # a field this version's config class does not have (a stale file)
+    except TypeError:  # a field the default's config class does not have: a stale file, or the other
+        # decode kernel's entry (a tile one where the pipelined kernel is the default, or the reverse)
         return default
     try:
         reason = kernel.check(shape, tuned, num_drafts)

@@ -9,7 +9,8 @@ A tuned-config file is JSON (``python -m replayssm_cute.tune`` writes it)::
         "kernel": "mamba2_decode",
         "shape": {"nheads": 128, "headdim": 64, "dstate": 128, "ngroups": 8},
         "dtype": "bf16", "mode": "standard", "window": 16, "num_drafts": 0, "state": "fp32", "batch": 64,
-        "config": {"rows_per_cta": 64, "num_warps": 4, "min_ctas_per_sm": 0},
+        "config": {"rows_per_cta": 64, "num_warps": 4, "min_ctas_per_sm": 0},   # a tile kernel's
+        # or a pipelined decode's: {"stages": 4, "ctas": 264, "prefetch": 4, ...} (its config class's fields)
         "time_us": 87.4, "tbps": 3.41, "default_config": {...}, "default_time_us": 88.1,
         "speedup": 1.008, "candidates": 41, "model": "nemotron-super", "tuned_at": "..."}]}
 
@@ -20,7 +21,11 @@ other inputs' dtypes move a few bytes per row and do not change the best tiling)
 conventional (window 1), standard (ReplaySSM decode at ``window``) or verify (``num_drafts`` T
 drafts at ``window``); ``state`` the state copies (``state_of``: "fp32", or the checkpoint format
 with "+" the read copy and "+rederive" for GDN re-deriving at a flush; "fp32" when absent, as
-in files written before it); ``batch`` a bucket, a power of two up to 1024. The ring capacity and the
+in files written before it); ``batch`` a bucket, a power of two up to 1024. A decode entry's config
+is the tile kernel's or, where decode runs the pipelined kernel by default (or under
+``REPLAYSSM_CUTE_PIPELINED=1``), the pipelined one's: an entry serves a bucket only when its config
+is of the class of the default it replaces (``launch``), so the tile entries tuned before the
+pipelines serve only where the tile kernels do. The ring capacity and the
 optional inputs (D, z, dt_bias, pad sentinel, ...) are not part of the key: a tuned config is
 checked against the exact kernel shape before use.
 
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..kernels.config_space import LAUNCH_FIELDS, launch_check
+from ..kernels.config_space import LAUNCH_FIELDS, launch_check, pipelined_launch_check
 
 FORMAT = "replayssm_cute-tuned-v1"
 ENV_DISABLE = "REPLAYSSM_CUTE_TUNED"
@@ -230,11 +235,16 @@ def parse_entry(entry) -> Tuple[TuneKey, int, dict]:
     if batch not in BATCH_BUCKETS:
         raise ValueError(f"entry field 'batch': expected a power of two up to {MAX_BATCH_BUCKET}, got {batch}")
     config = entry.get("config")
-    if not isinstance(config, dict) or any(type(v) is not int for v in config.values()):
-        raise ValueError(f"entry field 'config': expected an object of integer launch parameters, got {config!r}")
-    if not set(LAUNCH_FIELDS) <= set(config):
-        raise ValueError(f"entry field 'config': expected integer {', '.join(LAUNCH_FIELDS)}, got {config!r}")
-    reason = launch_check(*(config[name] for name in LAUNCH_FIELDS))
+    if not isinstance(config, dict):
+        raise ValueError(f"entry field 'config': expected an object of launch parameters, got {config!r}")
+    if "stages" in config:  # a pipelined decode's config
+        reason = pipelined_launch_check(config)
+    else:
+        if any(type(v) is not int for v in config.values()):
+            raise ValueError(f"entry field 'config': expected an object of integer launch parameters, got {config!r}")
+        if not set(LAUNCH_FIELDS) <= set(config):
+            raise ValueError(f"entry field 'config': expected integer {', '.join(LAUNCH_FIELDS)}, got {config!r}")
+        reason = launch_check(*(config[name] for name in LAUNCH_FIELDS))
     if reason is not None:  # no kernel takes it: every decode at its bucket would fail
         raise ValueError(f"entry field 'config': {reason}")
     state = entry.get("state", PLAIN_STATE)
