@@ -783,6 +783,11 @@ def summary(results: List[TuneResult]) -> str:
     return "\n".join(lines)
 
 
+def config_order(config) -> tuple:
+    """A sort key over launch configs of both decode kernels (tile and pipelined keys do not compare)."""
+    return type(config).__name__, config.key()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     arch = _target_arch(args.compile_only)
@@ -814,13 +819,13 @@ def main(argv=None) -> int:
                 if reason is not None:
                     print(f"{PROG}: {t.label}: the kernel cannot take this shape: {reason}", file=sys.stderr)
                     return 1
-            ordered = sorted(defaults, key=lambda c: (type(c).__name__, c.key()))  # tile and pipelined ones
+            ordered = sorted(defaults, key=config_order)
             candidates[t] = list(dict.fromkeys(ordered + configs))
         jobs = [(t, c) for t in args.targets for c in candidates[t]]
         print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
               f"launch configs for {arch}", flush=True)
         dropped, unchecked = compile_candidates(jobs, args.workers, arch)
-    for (t, c), why in sorted(dropped.items(), key=lambda kv: (kv[0][0].label, kv[0][1].key())):
+    for (t, c), why in sorted(dropped.items(), key=lambda kv: (kv[0][0].label, config_order(kv[0][1]))):
         print(f"  {t.label} {config_label(c)}: dropped ({why.splitlines()[0]})")
     if unchecked:
         print(f"  {unchecked} candidates were in the compile cache already: ptxas did not run, so their spills "

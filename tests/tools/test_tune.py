@@ -840,6 +840,16 @@ def test_each_bucket_is_tuned_on_the_kernel_decode_runs_there(monkeypatch, name,
     assert t.pipelined_candidates() == [] and all(not hasattr(c, "stages") for c in t.candidates())
 
 
+def test_tile_and_pipelined_configs_sort_together():
+    """GDN's defaults are tile configs at small buckets and pipelined ones above: the tuner sorts
+    them (and its dropped candidates) in one list."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    configs = [GDNPipeConfig(3, 132, 128), GDNConfig(16, 4, 0), GDNPipeConfig(2, 132, 64), GDNConfig(8, 1, 2)]
+    ordered = sorted(configs, key=tune.config_order)
+    assert ordered == [GDNConfig(8, 1, 2), GDNConfig(16, 4, 0), GDNPipeConfig(2, 132, 64), GDNPipeConfig(3, 132, 128)]
+
+
 def test_pipelined_entries_parse_and_replace_only_a_pipelined_default(monkeypatch):
     """A tuned pipelined config (a config with "stages") parses with its bounds checked, and a
     decode picks it only where its default is the pipelined kernel: a tile entry never replaces
