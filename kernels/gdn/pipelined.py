@@ -46,7 +46,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import SMEM_PER_SM, make_row_tma, pow2_at_least, slot_is_live, slot_rows, warp_reduce_many
+from ..common import make_row_tma, pow2_at_least, slot_is_live, slot_rows, smem_fit, warp_reduce_many
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
@@ -144,7 +144,7 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
             for rows_per_warp in ROWS_PER_WARP:
                 for stages in PIPELINE_STAGE_CHOICES:
                     config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp, default.prefetch)
-                    if config.check(shape) is None and per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+                    if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
                         configs.append(config)
     return configs
 

@@ -57,14 +57,14 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (SMEM_PER_SM, fold_cols, fold_into_checkpoint, make_row_tma, pow2_at_least, slot_is_live,
-                      slot_rows, softplus, warp_reduce_many, warp_sum)
+from ..common import (fold_cols, fold_into_checkpoint, pow2_at_least, slot_is_live, smem_fit, softplus,
+                      warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
                         copy_records_async, copy_rows_async, flat, pipeline_check, prefetch_l2, producer_prefetch,
                         publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import decode_slice, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
+from ..state_io import decode_slice, entry_tma, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
 from .config import Mamba2Shape
 
 MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
@@ -117,12 +117,10 @@ class Mamba2PipeConfig:
 
     @staticmethod
     def tile_bytes(shape: Mamba2Shape) -> int:
-        """A stage's state tile: the fp32 checkpoint, or the read copy with its block scales."""
-        P, N = shape.headdim, shape.dstate
-        read = shape.copies.read
-        if read is None:
-            return P * N * 4
-        return P * read.row_bytes + read.scale_smem_bytes(P)
+        """A stage's state tile: the fp32 checkpoint, or the read copy with its block scales
+        (what a step loads at entry: ``StateCopies.entry``)."""
+        entry = shape.copies.entry
+        return shape.headdim * entry.row_bytes + entry.scale_smem_bytes(shape.headdim)
 
     def consumer_warps(self, shape: Mamba2Shape) -> int:
         """An item's consumer warps: the fewest that split headdim into at most ``rows_per_warp`` rows each."""
@@ -178,9 +176,8 @@ class Mamba2PipeConfig:
                     "mma_fold=False folds on CUDA cores)")
         if not 0 <= self.min_ctas_per_sm <= MAX_CTAS_PER_SM:
             return f"min_ctas_per_sm {self.min_ctas_per_sm}: expected 0..{MAX_CTAS_PER_SM}"
-        if self.min_ctas_per_sm * (self.smem_bytes(shape) + 1024) > SMEM_PER_SM:
-            return f"{self.min_ctas_per_sm} CTAs of {self.smem_bytes(shape)} bytes of shared memory do not fit on an SM"
-        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
+        return (pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
+                or smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm))
 
 
 def key_rows(shape: Mamba2Shape) -> int:
@@ -293,12 +290,8 @@ class Mamba2PipelinedDecode:
         stream,
     ):
         s, c = self.shape, self.config
-        H, P, N = s.nheads, s.headdim, s.dstate
-        read = s.copies.read
-        if cutlass.const_expr(read is None):
-            tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, H * P, N), P, N)
-        else:
-            tma_state, mStateTma = make_row_tma(slot_rows(mRead, H * P, read.cols), P, read.cols)
+        H, P = s.nheads, s.headdim
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, P)
         self.kernel(
             tma_state, mStateTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
             Mamba2Ring(mRingX, mRingB, mRingDt, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
@@ -339,7 +332,7 @@ class Mamba2PipelinedDecode:
         per16 = 128 // act.width  # act elements per 16-byte cp.async
         copies = s.copies
         read = copies.read
-        box_bytes = P * N * 4 if read is None else P * read.row_bytes
+        box_bytes = P * copies.entry.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -377,10 +370,7 @@ class Mamba2PipelinedDecode:
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            if cutlass.const_expr(read is None):
-                t_s, t_g = box_partition(tma_state, mStateTma, sState, (P, N))
-            else:
-                t_s, t_g = box_partition(tma_state, mStateTma, sRead, (P, read.cols))
+            t_s, t_g = box_partition(tma_state, mStateTma, sState if read is None else sRead, (P, copies.entry.cols))
             # key rows past the ring stay zero (published with each stage's first use)
             first_pad = 1 + cap if ring else 1
             for st in cutlass.range_constexpr(ST):
@@ -713,7 +703,7 @@ def pipelined_space(shape: Mamba2Shape, sm_count: int, arch: str) -> List[Mamba2
                     config = Mamba2PipeConfig(stages, per_sm * sm_count, default.mma_fold and rows == 16,
                                               default.prefetch, per_sm if per_sm > 1 and groups > 1 else 0, rows,
                                               groups)
-                    if config.check(shape) is None and per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+                    if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
                         configs.append(config)
     return configs
 
@@ -743,6 +733,6 @@ def pipelined_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[M
         for stages in range(6, 1, -1):
             config = Mamba2PipeConfig(stages=stages, ctas=ctas_per_sm * sm_count, mma_fold=mma_fold,
                                       prefetch=producer_prefetch(arch))
-            if config.check(shape) is None and ctas_per_sm * (config.smem_bytes(shape) + 1024) <= SMEM_PER_SM:
+            if config.check(shape) is None and smem_fit(config.smem_bytes(shape), ctas_per_sm) is None:
                 return config
     return None
