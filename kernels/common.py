@@ -327,6 +327,24 @@ def mma_tf32(acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor, split_a: cutlas
         cute.gemm(atom, acc, aHi, bLo, acc)
 
 
+@dsl_user_op
+def mma_f16(acc, a, b, *, loc=None, ip=None):
+    """One m16n8k16 MMA with fp16 operands and fp32 accumulation: ``acc`` (4 fp32: D rows g, g,
+    g + 8, g + 8 and columns 2t, 2t + 1 of lane 4 g + t) + A B, ``a`` the 4 packed fp16 pairs of
+    the A fragment (rows g, g + 8 at k 2t, 2t + 1, then at k 2t + 8, 2t + 9), ``b`` the 2 of the
+    B fragment (column g at k 2t, 2t + 1 and 2t + 8, 2t + 9). Returns the 4 sums."""
+    f32 = Float32.mlir_type
+    operands = [Int32(v).ir_value(loc=loc, ip=ip) for v in list(a) + list(b)]
+    operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([f32] * 4), operands,
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(f32, result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
 @cute.jit
 def load_b_fragment(rB: cute.Tensor, sCols: cute.Tensor, k0, n_tiles: cutlass.Constexpr[int]):
     """rB (2, n_tiles, 1) <- the B fragments of columns k0..k0+7 of the (n, k) matrix ``sCols``

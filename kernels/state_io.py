@@ -42,9 +42,10 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
+from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import (f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, ptx_op, slot_rows,
+from .common import (f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, mma_f16, ptx_op, slot_rows,
                      start_tile_loads)
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
@@ -443,6 +444,190 @@ def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Fl
             else:
                 out[2 * v] = _e2m1_value(byte & 0xF) * scale
                 out[2 * v + 1] = _e2m1_value(byte >> 4) * scale
+
+
+# ----------------------------------------------------------------------------- reading on tensor cores
+
+
+def _piece_bytes(fmt: CopyFormat) -> int:
+    """Bytes of 4 consecutive values (a lane's piece of one MMA k-step)."""
+    return 4 * fmt.storage.width // 8 // (2 if fmt.name == "nvfp4" else 1)
+
+
+def _piece_col(fmt: CopyFormat, t: int, step: int) -> int:
+    """The first column of the 4 values lane 4 g + t gives k-step ``step`` of a row (every lane
+    reads 16-byte chunks t, t + 4, ...: chunk c holds the pieces of steps c // 4 * ppc ..)."""
+    ppc = 16 // _piece_bytes(fmt)
+    return 4 * (ppc * (t + 4 * (step // ppc)) + step % ppc)
+
+
+def _step_tile(fmt: CopyFormat, step: int) -> int:
+    """The group of 8 scale blocks (MMA columns) that k-step ``step`` reads."""
+    return _piece_col(fmt, 0, step) // fmt.block_k // 8
+
+
+def mma_dots_error(fmt: CopyFormat, rows: int) -> Optional[str]:
+    """None if ``mma_row_dots`` takes ``rows`` rows of ``fmt``: whole 16-row MMA tiles, rows of
+    whole 16-byte chunks per k-step lane, and each k-step inside one group of 8 scale blocks."""
+    if not fmt.low_precision:
+        return "the fp32 copy is read on CUDA cores"
+    if rows % 16:
+        return f"{rows} rows: the MMA takes 16-row tiles"
+    steps, ppc = fmt.K // 16, 16 // _piece_bytes(fmt)
+    if fmt.K % 16 or steps % ppc:
+        return f"K {fmt.K}: {fmt.name} rows on tensor cores need a multiple of {16 * ppc}"
+    if any(len({_piece_col(fmt, t, k) // fmt.block_k // 8 for t in range(4)}) > 1 for k in range(steps)):
+        return f"K {fmt.K}: a k-step of {fmt.name} spans two groups of 8 scale blocks"
+    return None
+
+
+@dsl_user_op
+def _f16x2_from_f32(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Int32:
+    return ptx_op(Int32, [Float32(hi), Float32(lo)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
+
+
+@dsl_user_op
+def _two_results(asm: str, constraints: str, operand: Int32, result_type=Int32, *, loc=None, ip=None):
+    """Two results (``$0``, ``$1``) of one PTX sequence on an int32 ``operand`` (``$2``)."""
+    ty = result_type.mlir_type
+    result = llvm.inline_asm(llvm.StructType.get_literal([ty, ty]), [Int32(operand).ir_value(loc=loc, ip=ip)], asm,
+                             constraints, has_side_effects=False, is_align_stack=False,
+                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(result_type(llvm.extractvalue(ty, result, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@cute.jit
+def _f16_pair_values(packed: Int32):
+    """The fp32 values of a packed fp16 pair (low half first)."""
+    return _two_results("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }", "=f,=f,r",
+                        packed, Float32)
+
+
+# E2M1 magnitudes 0, 0.5, 1, 1.5 and 2, 3, 4, 6 as the high bytes of their fp16 codes (low bytes 0)
+_E2M1_F16_HIGH = (0x3E3C3800, 0x46444240)
+
+
+@cute.jit
+def _piece_f16x2(fmt: cutlass.Constexpr[CopyFormat], rWords: cute.Tensor, i: cutlass.Constexpr[int]):
+    """(lo, hi): the 4 values of piece ``i`` of a lane's 16-byte chunk ``rWords`` (4 words) as
+    packed fp16 pairs (values 0, 1 and 2, 3), exactly: fp16 as stored, E4M3 by the hardware
+    conversion, E2M1 by it on sm_100a / sm_103a and on sm_90a by a byte-permute table lookup of
+    the magnitudes with the sign bits moved in."""
+    lo, hi = Int32(0), Int32(0)
+    if cutlass.const_expr(fmt.name == "fp16"):
+        lo, hi = Int32(rWords[2 * i]), Int32(rWords[2 * i + 1])
+    elif cutlass.const_expr(fmt.name == "fp8"):
+        lo, hi = _two_results("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; "
+                              "cvt.rn.f16x2.e4m3x2 $1, h; }", "=r,=r,r", Int32(rWords[i]))
+    else:
+        piece = Int32(rWords[i // 2]) >> (16 * (i % 2))
+        if cutlass.const_expr(has_e2m1_conversion()):
+            lo, hi = _two_results("{ .reg .b8 b0, b1, b2, b3; mov.b32 {b0, b1, b2, b3}, $2; "
+                                  "cvt.rn.f16x2.e2m1x2 $0, b0; cvt.rn.f16x2.e2m1x2 $1, b1; }", "=r,=r,r", piece)
+        else:
+            lo, hi = _two_results(
+                "{ .reg .b32 u, m, q, s, t0, t1, z; "
+                f"mov.b32 t0, {_E2M1_F16_HIGH[0]}; mov.b32 t1, {_E2M1_F16_HIGH[1]}; mov.b32 z, 0; "
+                "and.b32 u, $2, 0x7777; prmt.b32 m, t0, t1, u; "  # the 4 magnitudes' high bytes
+                "prmt.b32 $0, m, z, 0x1404; prmt.b32 $1, m, z, 0x3424; "  # into bytes 1 and 3 of each pair
+                "and.b32 q, $2, 0x8888; "  # sign bits 3, 7, 11, 15 to bits 15 and 31 of their pair
+                "mul.lo.u32 s, q, 0x1001000; and.b32 s, s, 0x80008000; or.b32 $0, $0, s; "
+                "mul.lo.u32 s, q, 0x10010; and.b32 s, s, 0x80008000; or.b32 $1, $1, s; }",
+                "=&r,=&r,r", piece)
+    return lo, hi
+
+
+@cute.jit
+def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale, sC: cute.Tensor, rC: cute.Tensor,
+                 state_scale: Float32) -> Float32:
+    """Lane r < rows: sum over k of row r of the read copy ``sRows`` (rows, cols) decoded (block
+    scales ``sScale`` (rows, scales_per_row), None for fp16; nvfp4's ``state_scale``) times
+    ``sC`` (K,) (activations; ``rC`` the lane's vec consecutive values of it as fp32), on tensor
+    cores (``mma_dots_error`` says which shapes).
+
+    The codes are exact in fp16; C is scaled by a power of two that puts its largest magnitude
+    just under 2^15 and rounded to fp16 (exact down to 2^-29 of the largest for bf16; an fp16 C
+    taken as is; fp32 as an fp16 hi + lo, 22 bits), and the products are summed in fp32. MMA column n holds C restricted to scale
+    block n (zero elsewhere), so each row's block sums come out apart and take their scales after
+    the product. A lane reads 16-byte chunks of its rows and gives their pieces to successive
+    k-steps; B permutes k alike, so the sums are the row dots."""
+    lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    rows = cute.size(sRows, mode=[0])
+    steps = fmt.K // 16
+    ppc = 16 // _piece_bytes(fmt)
+    blocks = max(1, fmt.scales_per_row)
+    tiles = (blocks + 7) // 8
+    shift = Int32(0)
+    if cutlass.const_expr(sC.element_type is not Float16):
+        biased = (f32_bits(_group_max(lane_amax(rC), 32)) >> 23) & 0xFF
+        shift = cutlass.select_(biased == 0xFF, Int32(0), cutlass.min(cutlass.max(141 - biased, -113), 100))
+    up = _f32_from_bits((shift + 127) << 23)
+    # B fragments of every k-step: C' at the lane's piece, where its block is the lane's column g;
+    # fp32 activations as fp16 hi + lo parts (two MMAs), the others in one
+    act = sC.element_type
+    parts = 2 if act is Float32 else 1
+    sCWords = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=Uint32), cute.make_layout((fmt.K * act.width // 32,)))
+    rB = cute.make_rmem_tensor((2, steps, parts), Int32)
+    for step in cutlass.range_constexpr(steps):
+        col = 4 * ppc * t + _piece_col(fmt, 0, step)
+        mine = g == (col // fmt.block_k) % 8
+        for half in cutlass.range_constexpr(2):
+            if cutlass.const_expr(act is Float16):
+                rB[half, step, 0] = cutlass.select_(mine, Int32(sCWords[col // 2 + half]), Int32(0))
+            else:
+                if cutlass.const_expr(act is Float32):
+                    lo = _f32_from_bits(Int32(sCWords[col + 2 * half])) * up
+                    hi = _f32_from_bits(Int32(sCWords[col + 2 * half + 1])) * up
+                else:  # a bf16 pair
+                    word = Int32(sCWords[col // 2 + half])
+                    lo = _f32_from_bits(word << 16) * up
+                    hi = _f32_from_bits(word & Int32(-65536)) * up
+                packed = _f16x2_from_f32(hi, lo)
+                rB[half, step, 0] = cutlass.select_(mine, packed, Int32(0))
+                if cutlass.const_expr(parts == 2):
+                    lo_back, hi_back = _f16_pair_values(packed)
+                    rB[half, step, 1] = cutlass.select_(mine, _f16x2_from_f32(hi - hi_back, lo - lo_back), Int32(0))
+    row_words = fmt.row_bytes // 4
+    sWords = cute.make_tensor(cute.recast_ptr(sRows.iterator, dtype=Uint32),
+                              cute.make_layout((rows, row_words // 4, 4), stride=(row_words, 4, 1)))
+    result = Float32(0.0)
+    for mt in cutlass.range_constexpr(rows // 16):
+        rAcc = cute.make_rmem_tensor((4, tiles), Float32)
+        rAcc.fill(0.0)
+        for j in cutlass.range_constexpr(steps // ppc):
+            rWords0 = cute.make_rmem_tensor((4,), Uint32)
+            rWords1 = cute.make_rmem_tensor((4,), Uint32)
+            cute.autovec_copy(sWords[16 * mt + g, t + 4 * j, None], rWords0)
+            cute.autovec_copy(sWords[16 * mt + g + 8, t + 4 * j, None], rWords1)
+            for i in cutlass.range_constexpr(ppc):
+                step = j * ppc + i
+                nt = _step_tile(fmt, step)
+                lo0, hi0 = _piece_f16x2(fmt, rWords0, i)
+                lo1, hi1 = _piece_f16x2(fmt, rWords1, i)
+                for part in cutlass.range_constexpr(parts):
+                    d = mma_f16([rAcc[q, nt] for q in range(4)], [lo0, lo1, hi0, hi1],
+                                [rB[0, step, part], rB[1, step, part]])
+                    for q in cutlass.range_constexpr(4):
+                        rAcc[q, nt] = d[q]
+        for half in cutlass.range_constexpr(2):
+            row = 16 * mt + 8 * half + g
+            part = Float32(0.0)
+            for nt in cutlass.range_constexpr(tiles):
+                first = 8 * nt + 2 * t  # the lane's columns first, first + 1
+                scales = (Float32(1.0), Float32(1.0))
+                if cutlass.const_expr(fmt.name == "fp8"):
+                    scales = (sScale[row, cutlass.min(first, blocks - 1)], sScale[row, cutlass.min(first + 1, blocks - 1)])
+                if cutlass.const_expr(fmt.name == "nvfp4"):
+                    pair = cutlass.min(first, blocks - 2)
+                    scales = _e4m3_pair_values(Int32(sScale[row, pair]) | (Int32(sScale[row, pair + 1]) << 8))
+                for q in cutlass.range_constexpr(2):
+                    part = part + cutlass.select_(first + q < blocks, scales[q] * rAcc[2 * half + q, nt], Float32(0.0))
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
+            result = cutlass.select_(lane // 8 == 2 * mt + half, cute.arch.shuffle_sync(part, 4 * (lane % 8)), result)
+    return result * _f32_from_bits((127 - shift) << 23) * state_scale
 
 
 @cute.jit

@@ -64,7 +64,8 @@ from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
                         copy_records_async, copy_rows_async, flat, pipeline_check, prefetch_l2, producer_prefetch,
                         publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import decode_slice, entry_tma, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
+from ..state_io import (decode_slice, entry_tma, lane_amax, max_nan, mma_dots_error, mma_row_dots, smem_scale,
+                        store_copies, warps_state_scale)
 from .config import Mamba2Shape
 
 MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
@@ -495,28 +496,42 @@ class Mamba2PipelinedDecode:
 
                     # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
                     # the same whether or not the row folds (C . S_new expands to it).
+                    # dot_row: lane lr's row of S . C (per-lane partial dots reduced over the warp, or
+                    # a read copy's rows on tensor cores)
                     rDots = cute.make_rmem_tensor((n_rows,), Float32)
                     rDots.fill(0.0)
+                    dot_row = Float32(0.0)
                     if cutlass.const_expr(read is None):
                         for r in cutlass.range_constexpr(RW):
                             rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
                             for v in cutlass.range_constexpr(vec):
                                 rDots[r] = rDots[r] + rS[v] * rC[v]
+                        dot_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
                     elif flush:  # the dots come with the fold, from the checkpoint's rows
                         self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, g, cw, stage, gamma,
                                                      dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, sAmax)
+                        dot_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
                     else:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read.has_state_scale):
                             state_scale = sMetaF[READ_STATE_SCALE, stage]
-                        for r in cutlass.range_constexpr(RW):
-                            rS = cute.make_rmem_tensor((vec,), Float32)
-                            scale = smem_scale(read, sReadScale, stage, p_warp + r, lane * vec, state_scale)
-                            decode_slice(read, cute.local_tile(sRead[p_warp + r, None, stage], (read.per_lane(vec),),
-                                                               (lane,)), scale, rS)
-                            for v in cutlass.range_constexpr(vec):
-                                rDots[r] = rDots[r] + rS[v] * rC[v]
-                    y_row = gamma * cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                        if cutlass.const_expr(mma_dots_error(read, RW) is None):
+                            sScaleRows = None
+                            if cutlass.const_expr(read.scale_dtype is not None):
+                                sScaleRows = cute.local_tile(sReadScale[None, None, stage], (RW, read.scales_per_row),
+                                                             (cw, 0))
+                            dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols), (cw, 0)),
+                                                   sScaleRows, sC[None, stage], rC, state_scale)
+                        else:
+                            for r in cutlass.range_constexpr(RW):
+                                rS = cute.make_rmem_tensor((vec,), Float32)
+                                scale = smem_scale(read, sReadScale, stage, p_warp + r, lane * vec, state_scale)
+                                decode_slice(read, cute.local_tile(sRead[p_warp + r, None, stage],
+                                                                   (read.per_lane(vec),), (lane,)), scale, rS)
+                                for v in cutlass.range_constexpr(vec):
+                                    rDots[r] = rDots[r] + rS[v] * rC[v]
+                            dot_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                    y_row = gamma * dot_row
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
                         part = part + rBa[v] * rC[v]
