@@ -471,8 +471,8 @@ def mma_dots_error(fmt: CopyFormat, rows: int) -> Optional[str]:
     whole 16-byte chunks per k-step lane, and each k-step inside one group of 8 scale blocks."""
     if not fmt.low_precision:
         return "the fp32 copy is read on CUDA cores"
-    if rows % 16:
-        return f"{rows} rows: the MMA takes 16-row tiles"
+    if rows % 16 or rows > 32:
+        return f"{rows} rows: the MMA takes 16-row tiles, a lane per row (16 or 32)"
     steps, ppc = fmt.K // 16, 16 // _piece_bytes(fmt)
     if fmt.K % 16 or steps % ppc:
         return f"K {fmt.K}: {fmt.name} rows on tensor cores need a multiple of {16 * ppc}"

@@ -58,8 +58,9 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (clear_stale_record, launch_tiles, planned_positions, slot_is_live, softplus, warp_reduce_many,
                       warp_sum)
-from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale,
-                        ring_coefficients, smem_scale, start_state_loads, store_copies, write_state_scales)
+from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_dots_error,
+                        mma_row_dots, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        write_state_scales)
 from .config import Mamba2Config, Mamba2Shape
 
 
@@ -313,6 +314,12 @@ class Mamba2Decode:
                         y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
                     if cutlass.const_expr(copies.whole_state):
                         write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, head)
+                elif cutlass.const_expr(mma_dots_error(entry_fmt, RW) is None):  # the rows' dots on tensor cores
+                    sScaleRows = None
+                    if cutlass.const_expr(entry_fmt.scale_dtype is not None):
+                        sScaleRows = sEntryScale[None, None, warp]
+                    y_row = mma_row_dots(entry_fmt, sEntry[None, None, warp], sScaleRows, mC[row, group, None], rC,
+                                         entry_state_scale)
                 else:
                     for r in cutlass.range(RW, unroll=2):
                         rS = cute.make_rmem_tensor((vec,), Float32)

@@ -35,17 +35,22 @@ def test_config_takes_fp32_checkpoints_only():
     assert "ctas 0" in Mamba2PipeConfig(4, 0).check(SUPER)
     assert "shared memory" in Mamba2PipeConfig(8, 132).check(SUPER)
     odd = Mamba2Shape(**{**SUPER.__dict__, "headdim": 24})
-    assert "16-row warps" in Mamba2PipeConfig(4, 132).check(odd)
+    assert "16-row tiles" in Mamba2PipeConfig(4, 132).check(odd)
+    assert "flush_tile is for read copies" in Mamba2PipeConfig(2, 132, flush_tile=True).check(SUPER)
     assert Mamba2PipeConfig(4, 132, mma_fold=False).check(odd) is None
 
 
 @pytest.mark.parametrize("read", ["fp16", "fp8", "nvfp4"])
 def test_read_copies_fold_in_registers_with_smaller_stages(read):
     """Next to a read copy a stage holds the copy's tile (a flush reads the checkpoint from global
-    memory and folds on CUDA cores), so more stages fit than on the fp32 tile."""
+    memory and folds on CUDA cores), so more stages fit than on the fp32 tile; with flush_tile the stages have room for a
+    flush's fp32 checkpoint tile, which a non-flushing item's copy shares."""
     shape = Mamba2Shape(**{**SUPER.__dict__, "read_copy": read})
     assert "mma_fold must be False" in Mamba2PipeConfig(4, 132).check(shape)
     assert Mamba2PipeConfig(4, 132, mma_fold=False).check(shape) is None
+    with_tile = Mamba2PipeConfig(2, 132, flush_tile=True)
+    assert with_tile.check(shape) is None and with_tile.stage_tile_bytes(shape) - 64 * 128 * 4 in (0, 16, 64 * 4 + 16, 64 * 8 + 16)
+    assert "6 stages need" in Mamba2PipeConfig(6, 132, flush_tile=True).check(shape)
     config = pipelined_config(shape, 132, "sm_90a")  # two CTAs an SM, each two groups of 32-row warps
     assert config.check(shape) is None and not config.mma_fold and config.ctas == 264
     assert (config.min_ctas_per_sm, config.consumer_groups, config.rows_per_warp) == (2, 2, 32)
@@ -93,7 +98,7 @@ def test_consumer_groups_and_register_cap_checks():
                           (dict(consumer_groups=8, stages=8), "33 warps"), (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"),
                           (dict(min_ctas_per_sm=4), "do not fit")]:
         assert words in dataclasses.replace(base, **fields).check(SUPER), fields
-    assert "16-row warps" in Mamba2PipeConfig(4, 264, rows_per_warp=32).check(SUPER)  # the MMA fold's 16 rows
+    assert Mamba2PipeConfig(4, 132, rows_per_warp=32).check(SUPER) is None  # the MMA fold: two 16-row tiles a warp
 
 
 def test_gdn_config_takes_plain_fp32_caches_only():
