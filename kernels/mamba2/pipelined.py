@@ -22,8 +22,8 @@ not from how long a CTA lives. Consumer warp c owns state rows [c RW, (c + 1) RW
 lane per row for the per-row terms); each lane holds N / 32 consecutive columns of a row.
 
 Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's tile is the head's
-read copy (its TMA box, the block scales by cp.async), whose rows the consumers dot with C on tensor
-cores (``state_io.mma_row_dots``); a flushing item's stage holds no tile: the producer prefetches the
+read copy (its TMA box, the block scales by cp.async), whose rows the consumers dot with C (fp8 and
+nvfp4 on tensor cores, ``state_io.mma_row_dots``; fp16 decoded on CUDA cores); a flushing item's stage holds no tile: the producer prefetches the
 head's checkpoint into L2, the consumers load their rows from it, fold them in registers and store the
 checkpoint and the read copy (RTN; nvfp4's state scale reduced over the consumer warps). Stages are
 then smaller, so more of them fit. With ``flush_tile`` the stages have room for the fp32 tile

@@ -203,12 +203,12 @@ def test_pipelined_kernels_build_for_every_arch(build):
         assert "cp.async.bulk.tensor" in text, f"{label}: the checkpoint tile is not loaded by TMA"
         assert "cp.async.mbarrier.arrive.noinc" in text, f"{label}: the producer's copies are not counted"
         if label.startswith("mamba2"):
-            # fp32 ReplaySSM flushes fold on tensor cores (TF32), the others do not; a read copy's
-            # rows meet C on tensor cores (fp16)
+            # fp32 ReplaySSM flushes fold on tensor cores (TF32), the others do not; fp8 / nvfp4
+            # rows meet C on tensor cores (fp16), fp16 ones on CUDA cores
             fold = "mma.sync.aligned.m16n8k8" in text
             assert fold == ("_replay_" in label and "_read_" not in label), f"{label}: the fold's unit"
             dots = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
-            assert dots == ("_read_" in label), f"{label}: the read copy's dots"
+            assert dots == ("_read_fp8_" in label or "_read_nvfp4_" in label), f"{label}: the read copy's dots"
         if "_read_" in label:  # a flush next to a read copy has its checkpoint prefetched into L2
             assert "cp.async.bulk.prefetch.L2" in text, label
         assert ".local" not in text, f"{label}: local memory"
