@@ -112,3 +112,63 @@ def test_state_io_matches_the_reference(fmt_name, stochastic, K):
         finite = torch.isfinite(ref.dequantized)
         assert torch.equal(back[s].cpu()[finite], ref.dequantized[finite]), f"slot {s}: decoded values"
         assert torch.equal(torch.isnan(back[s].cpu()), torch.isnan(ref.dequantized))
+
+
+# ----------------------------------------------------------------------------- reading on tensor cores
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX prmt.b32 (default mode): byte k of the result is byte (selector nibble k) of b:a."""
+    pool = (a | (b << 32)).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[(selector >> (4 * k)) & 7] for k in range(4)), "little")
+
+
+def test_e2m1_byte_permute_decode_gives_quants_values():
+    """The sm_90a E2M1 decode of mma_row_dots (magnitudes by a byte-permute table, signs moved in by
+    a multiply), modelled step for step on the host, equals quant's E2M1 value of every code, for
+    every 16-bit piece (4 codes, low nibble first) and both fp16 pairs."""
+    from replayssm_cute.kernels.state_io import _E2M1_F16_HIGH
+
+    pieces = torch.arange(1 << 16)
+    codes = torch.stack([(pieces >> (4 * i)) & 0xF for i in range(4)], 1)
+    want = quant.E2M1.values(codes).to(torch.float16)
+    got = torch.empty_like(want)
+    t0, t1 = _E2M1_F16_HIGH
+    for piece in range(1 << 16):
+        m = _prmt(t0, t1, piece & 0x7777)
+        q = piece & 0x8888
+        lo = _prmt(m, 0, 0x1404) | ((q * 0x1001000) & 0x80008000)
+        hi = _prmt(m, 0, 0x3424) | ((q * 0x10010) & 0x80008000)
+        got[piece] = torch.tensor([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], dtype=torch.int32).to(
+            torch.int16).view(torch.float16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # -0.0 for code 8 included
+
+
+@pytest.mark.parametrize("fmt_name, K", [("fp8", 128), ("fp8", 256), ("fp8", 64), ("nvfp4", 128), ("nvfp4", 256)])
+def test_mma_row_dots_pieces_cover_each_row_once_within_one_group_of_blocks(fmt_name, K):
+    """mma_row_dots' k permutation: lane t's piece of k-step s starts at _piece_col(t, s); over the
+    4 lanes and K / 16 steps the pieces (4 values each) cover every column once, each lane's pieces
+    tile whole 16-byte chunks, and each step's pieces lie in one group of 8 scale blocks (its MMA
+    columns)."""
+    from replayssm_cute.kernels.state_io import CopyFormat, _piece_bytes, _piece_col, _step_tile, mma_dots_error
+
+    fmt = CopyFormat(fmt_name, K)
+    assert mma_dots_error(fmt, 32) is None and mma_dots_error(fmt, 16) is None
+    cols = sorted(c + i for t in range(4) for s in range(K // 16) for c in [_piece_col(fmt, t, s)] for i in range(4))
+    assert cols == list(range(K))
+    ppc = 16 // _piece_bytes(fmt)
+    for t in range(4):
+        assert all(_piece_col(fmt, t, s) % (4 * ppc) == 4 * (s % ppc) for s in range(K // 16))
+        for s in range(K // 16):
+            assert _piece_col(fmt, t, s) // fmt.block_k // 8 == _step_tile(fmt, s)
+
+
+def test_mma_row_dots_takes_fp8_and_nvfp4_rows_of_whole_tiles():
+    from replayssm_cute.kernels.state_io import CopyFormat, mma_dots_error
+
+    assert "CUDA cores" in mma_dots_error(CopyFormat("fp16", 128), 32)
+    assert "CUDA cores" in mma_dots_error(CopyFormat("fp32", 128), 32)
+    assert "16-row tiles" in mma_dots_error(CopyFormat("fp8", 128), 8)
+    assert "16-row tiles" in mma_dots_error(CopyFormat("fp8", 128), 64)
+    assert "multiple of 128" in mma_dots_error(CopyFormat("nvfp4", 64), 32)
+    assert "multiple of 64" in mma_dots_error(CopyFormat("fp8", 96), 32)
