@@ -281,6 +281,16 @@ def ptx_op(result_type, operands, asm: str, constraints: str, loc, ip):
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+def ptx_ops(result_type, count: int, operands, asm: str, constraints: str, loc, ip) -> list:
+    """``count`` results (``$0`` .. ``$count-1``) of one side-effect-free PTX sequence on
+    ``operands`` (DSL numerics, ``$count``, ...)."""
+    ty = result_type.mlir_type
+    result = llvm.inline_asm(llvm.StructType.get_literal([ty] * count), [v.ir_value(loc=loc, ip=ip) for v in operands],
+                             asm, constraints, has_side_effects=False, is_align_stack=False,
+                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [result_type(llvm.extractvalue(ty, result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
 def f32_asm(result_type, x: Float32, asm: str, constraints: str, loc, ip):
     """One side-effect-free PTX instruction on fp32 ``x`` (``$1``) with one result (``$0``)."""
     return ptx_op(result_type, [Float32(x)], asm, constraints, loc, ip)
@@ -333,16 +343,9 @@ def mma_f16(acc, a, b, *, loc=None, ip=None):
     g + 8, g + 8 and columns 2t, 2t + 1 of lane 4 g + t) + A B, ``a`` the 4 packed fp16 pairs of
     the A fragment (rows g, g + 8 at k 2t, 2t + 1, then at k 2t + 8, 2t + 9), ``b`` the 2 of the
     B fragment (column g at k 2t, 2t + 1 and 2t + 8, 2t + 9). Returns the 4 sums."""
-    f32 = Float32.mlir_type
-    operands = [Int32(v).ir_value(loc=loc, ip=ip) for v in list(a) + list(b)]
-    operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([f32] * 4), operands,
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(f32, result, [i], loc=loc, ip=ip)) for i in range(4)]
+    return ptx_ops(Float32, 4, [Int32(v) for v in list(a) + list(b)] + [Float32(v) for v in acc],
+                   "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+                   "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
 
 
 @cute.jit

@@ -42,10 +42,10 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64, Uint8, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .common import (f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, mma_f16, ptx_op, slot_rows,
+from .common import (f32_asm, fold_into_checkpoint, make_padded_row_tma, make_row_tma, mma_f16, ptx_op, ptx_ops,
+                     slot_rows,
                      start_tile_loads)
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
@@ -461,9 +461,9 @@ def _piece_col(fmt: CopyFormat, t: int, step: int) -> int:
     return 4 * (ppc * (t + 4 * (step // ppc)) + step % ppc)
 
 
-def _step_tile(fmt: CopyFormat, step: int) -> int:
-    """The group of 8 scale blocks (MMA columns) that k-step ``step`` reads."""
-    return _piece_col(fmt, 0, step) // fmt.block_k // 8
+def _step_tile(fmt: CopyFormat, step: int, t: int = 0) -> int:
+    """The group of 8 scale blocks (MMA columns) that lane 4 g + t's piece of k-step ``step`` reads."""
+    return _piece_col(fmt, t, step) // fmt.block_k // 8
 
 
 def mma_dots_error(fmt: CopyFormat, rows: int) -> Optional[str]:
@@ -478,7 +478,7 @@ def mma_dots_error(fmt: CopyFormat, rows: int) -> Optional[str]:
     steps, ppc = fmt.K // 16, 16 // _piece_bytes(fmt)
     if fmt.K % 16 or steps % ppc:
         return f"K {fmt.K}: {fmt.name} rows on tensor cores need a multiple of {16 * ppc}"
-    if any(len({_piece_col(fmt, t, k) // fmt.block_k // 8 for t in range(4)}) > 1 for k in range(steps)):
+    if any(len({_step_tile(fmt, k, t) for t in range(4)}) > 1 for k in range(steps)):
         return f"K {fmt.K}: a k-step of {fmt.name} spans two groups of 8 scale blocks"
     return None
 
@@ -491,11 +491,7 @@ def _f16x2_from_f32(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def _two_results(asm: str, constraints: str, operand: Int32, result_type=Int32, *, loc=None, ip=None):
     """Two results (``$0``, ``$1``) of one PTX sequence on an int32 ``operand`` (``$2``)."""
-    ty = result_type.mlir_type
-    result = llvm.inline_asm(llvm.StructType.get_literal([ty, ty]), [Int32(operand).ir_value(loc=loc, ip=ip)], asm,
-                             constraints, has_side_effects=False, is_align_stack=False,
-                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return tuple(result_type(llvm.extractvalue(ty, result, [i], loc=loc, ip=ip)) for i in range(2))
+    return tuple(ptx_ops(result_type, 2, [Int32(operand)], asm, constraints, loc, ip))
 
 
 @cute.jit
@@ -547,9 +543,9 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
 
     The codes are exact in fp16; C is scaled by a power of two that puts its largest magnitude
     just under 2^15 and rounded to fp16 (exact down to 2^-29 of the largest for bf16; an fp16 C
-    taken as is; fp32 as an fp16 hi + lo, 22 bits), and the products are summed in fp32. MMA column n holds C restricted to scale
-    block n (zero elsewhere), so each row's block sums come out apart and take their scales after
-    the product. A lane reads 16-byte chunks of its rows and gives their pieces to successive
+    taken as is; fp32 as an fp16 hi + lo, 22 bits), and the products are summed in fp32. MMA
+    column n holds C restricted to scale block n (zero elsewhere), so each row's block sums come
+    out apart and take their scales after the product. A lane reads 16-byte chunks of its rows and gives their pieces to successive
     k-steps; B permutes k alike, so the sums are the row dots."""
     lane = cute.arch.lane_idx()
     g = lane // 4
@@ -559,14 +555,14 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
     ppc = 16 // _piece_bytes(fmt)
     blocks = fmt.scales_per_row
     tiles = (blocks + 7) // 8
+    act = sC.element_type
     shift = Int32(0)
-    if cutlass.const_expr(sC.element_type is not Float16):
+    if cutlass.const_expr(act is not Float16):
         biased = (f32_bits(_group_max(lane_amax(rC), 32)) >> 23) & 0xFF
         shift = cutlass.select_(biased == 0xFF, Int32(0), cutlass.min(cutlass.max(141 - biased, -113), 100))
     up = _f32_from_bits((shift + 127) << 23)
     # B fragments of every k-step: C' at the lane's piece, where its block is the lane's column g;
     # fp32 activations as fp16 hi + lo parts (two MMAs), the others in one
-    act = sC.element_type
     parts = 2 if act is Float32 else 1
     sCWords = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=Uint32), cute.make_layout((fmt.K * act.width // 32,)))
     rB = cute.make_rmem_tensor((2, steps, parts), Int32)

@@ -486,7 +486,6 @@ class Mamba2PipelinedDecode:
             p_warp = cw * RW
             lr = lane % RW
             n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
-            row_shift = 5 - (n_rows.bit_length() - 1)
             n_pos = pow2_at_least(cap)
             pos_shift = 5 - (n_pos.bit_length() - 1)
             it = Int32(0)
@@ -544,7 +543,7 @@ class Mamba2PipelinedDecode:
                         else:  # the dots come with the fold, from the checkpoint's rows
                             self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, g, cw, stage, gamma,
                                                          dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, sAmax)
-                            dot_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                            dot_row = self.row_total(rDots)
                     else:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read.has_state_scale):
@@ -564,7 +563,7 @@ class Mamba2PipelinedDecode:
                                                                    (read.per_lane(vec),), (lane,)), scale, rS)
                                 for v in cutlass.range_constexpr(vec):
                                     rDots[r] = rDots[r] + rS[v] * rC[v]
-                            dot_row = cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), lr << row_shift)
+                            dot_row = self.row_total(rDots)
                     y_row = gamma * dot_row
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
@@ -622,18 +621,38 @@ class Mamba2PipelinedDecode:
 
 
     @cute.jit
+    def row_total(self, rDots: cute.Tensor) -> Float32:
+        """Lane r: the warp's total of its rows' per-lane partial dots ``rDots`` for row r (mod the
+        warp's rows)."""
+        RW = self.shape.headdim // self.consumer_warps
+        n_rows = pow2_at_least(RW)
+        lane = cute.arch.lane_idx()
+        return cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), (lane % RW) << (5 - (n_rows.bit_length() - 1)))
+
+    @cute.jit
     def tile_dot(self, sState: cute.Tensor, stage: Int32, p_warp: Int32, rC: cute.Tensor, rDots: cute.Tensor) -> Float32:
         """Lane r's row p_warp + r (mod the warp's rows) of the fp32 tile in ``stage``, dotted with C
         (``rC`` the lane's slice), by per-lane partial dots (``rDots``) reduced over the warp."""
         RW = self.shape.headdim // self.consumer_warps
         vec = self.shape.dstate // 32
-        n_rows = pow2_at_least(RW)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(RW):
             rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
             for v in cutlass.range_constexpr(vec):
                 rDots[r] = rDots[r] + rS[v] * rC[v]
-        return cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), (lane % RW) << (5 - (n_rows.bit_length() - 1)))
+        return self.row_total(rDots)
+
+    @cute.jit
+    def head_state_scale(self, amax: Float32, sAmax: cute.Tensor, stage: Int32, copy: ReadCopy, slot64: Int64,
+                         head: Int32, g: Int32, cw: Int32) -> Float32:
+        """nvfp4's state scale of the head from each consumer warp's ``amax``, reduced over group
+        ``g``'s warps at its named barrier; consumer warp 0 stores it."""
+        CW = self.consumer_warps
+        state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
+        if cw == 0:
+            if cute.arch.lane_idx() == 0:
+                copy.mStateScale[slot64, head] = state_scale
+        return state_scale
 
     @cute.jit
     def fold_tile(self, mDst: cute.Tensor, sState: cute.Tensor, stage: Int32, sX: cute.Tensor, sRingX, sKeys: cute.Tensor,
@@ -685,10 +704,7 @@ class Mamba2PipelinedDecode:
             amax = Float32(0.0)
             for r in cutlass.range_constexpr(RW):
                 amax = max_nan(amax, lane_amax(load_slice(sState[p_warp + r, None, stage], lane, vec)))
-            state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
-            if cw == 0:
-                if lane == 0:
-                    copy.mStateScale[slot64, head] = state_scale
+            state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, g, cw)
         for r in cutlass.range_constexpr(RW):
             store_copies(copies, load_slice(sState[p_warp + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
                          copy.mScale, slot64, head, p_warp + r, state_scale, Uint32(0))
@@ -736,10 +752,7 @@ class Mamba2PipelinedDecode:
                         store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
-                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
-                if cw == 0:
-                    if lane == 0:
-                        copy.mStateScale[slot64, head] = state_scale
+                state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, g, cw)
 
     @cute.jit
     def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head: Int32,
