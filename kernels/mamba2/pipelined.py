@@ -72,6 +72,7 @@ from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_n
 from .config import Mamba2Shape
 
 MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
+TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 MAX_CONSUMER_GROUPS = 8
 MAX_WARPS = 32
@@ -853,9 +854,13 @@ def pipelined_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[M
     H200, Nemotron-3-Super with an fp16 copy, batch 256, non-flush step: 148 us, against 195 us
     for one 16-row group per CTA and 206-277 us with one CTA per SM; sweeps/results/README.md)."""
     if shape.read_copy is not None:
+        # registers capped for two CTAs per SM spill past 64-row heads (Nemotron-Nano, P = 80: 2 KB
+        # of stack per thread at sm_90a): one uncapped CTA per SM there
+        per_sm = 2 if shape.headdim <= TWO_CTA_READ_HEADDIM else 1
         for stages in range(MAX_STAGES, 1, -1):
-            config = Mamba2PipeConfig(stages=stages, ctas=2 * sm_count, mma_fold=False, prefetch=producer_prefetch(arch),
-                                      min_ctas_per_sm=2, rows_per_warp=32, consumer_groups=2)
+            config = Mamba2PipeConfig(stages=stages, ctas=per_sm * sm_count, mma_fold=False,
+                                      prefetch=producer_prefetch(arch), min_ctas_per_sm=per_sm if per_sm > 1 else 0,
+                                      rows_per_warp=32, consumer_groups=2)
             if config.check(shape) is None:
                 return config
     mma_fold = shape.headdim % 16 == 0 and shape.window > 1 and shape.read_copy is None

@@ -153,22 +153,26 @@ class TuneTarget:
         """The analytical default decode / verify pick at this batch bucket (the kernel's)."""
         return self.kernel.default_config(self.shape(), batch)
 
-    def candidates(self, space: str = "full") -> list:
-        """The layer config class's space (kernels/config_space.py) that the kernel takes; with
-        `space` "compact", for decode modes only the part where the H200 winners lie
-        (``in_compact_space``); then, where decode runs the pipelined kernel at some bucket, its
-        space (``pipelined_candidates``)."""
+    def candidates(self, space: str = "full", batches=BATCH_BUCKETS) -> list:
+        """The launch configs worth compiling for `batches`: the layer's tile space
+        (kernels/config_space.py) that the kernel takes, where the default of some bucket of
+        `batches` is a tile config (with `space` "compact", for decode modes only the part where
+        the H200 winners lie, ``in_compact_space``); then, where it is the pipelined kernel, that
+        kernel's space (``pipelined_candidates``). A bucket is only ever timed on its default's
+        class (``batch_candidates``), so the other class is not built."""
         from .layers import LAYERS
 
-        space_of = LAYERS[self.model.layer].launch_config().space
-        configs = [c for c in space_of(self.model.headdim) if self.check(c) is None]
-        if space == "compact" and self.mode != "verify":
-            configs = [c for c in configs if in_compact_space(c, self.read_copy is not None)]
-        return configs + self.pipelined_candidates()
+        tile_class = LAYERS[self.model.layer].launch_config()
+        configs = []
+        if any(type(self.default_config(b)) is tile_class for b in batches):
+            configs = [c for c in tile_class.space(self.model.headdim) if self.check(c) is None]
+            if space == "compact" and self.mode != "verify":
+                configs = [c for c in configs if in_compact_space(c, self.read_copy is not None)]
+        return configs + self.pipelined_candidates(batches)
 
-    def pipelined_candidates(self) -> list:
+    def pipelined_candidates(self, batches=BATCH_BUCKETS) -> list:
         """The pipelined decode's space (kernels/*/pipelined.py ``pipelined_space``) that the
-        kernel takes, where its default at some batch bucket is the pipelined kernel (on the
+        kernel takes, where its default at some bucket of `batches` is the pipelined kernel (on the
         targets it is the default on, or under REPLAYSSM_CUTE_PIPELINED=1); else []."""
         import importlib
 
@@ -178,7 +182,7 @@ class TuneTarget:
             return []
         module = importlib.import_module(f"replayssm_cute.kernels.{self.model.layer}.pipelined")
         pipe_class = type(module.pipelined_config(self.shape(), sm_count(), target_arch()))
-        if not any(type(self.default_config(b)) is pipe_class for b in BATCH_BUCKETS):
+        if not any(type(self.default_config(b)) is pipe_class for b in batches):
             return []
         return [c for c in module.pipelined_space(self.shape(), sm_count(), target_arch()) if self.check(c) is None]
 
@@ -812,7 +816,7 @@ def main(argv=None) -> int:
     with ptxas_reports():
         candidates = {}
         for t in args.targets:
-            configs = t.candidates(args.space)
+            configs = t.candidates(args.space, args.batches)
             defaults = {t.default_config(b) for b in args.batches}
             for d in defaults:
                 reason = t.check(d)
@@ -833,20 +837,22 @@ def main(argv=None) -> int:
     if args.compile_only:
         print(f"{len(jobs) - len(dropped)} kernels in the compile cache")
         return 0
+    # a kernel whose default is dropped has nothing to compare its candidates with: the others go on
+    targets = []
     for t in args.targets:
-        for b in args.batches:
-            why = dropped.get((t, t.default_config(b)))
-            if why is not None:
-                print(f"{PROG}: {t.label}: the default config {config_label(t.default_config(b))} is dropped, "
-                      f"nothing to compare the candidates with ({why.splitlines()[0]})", file=sys.stderr)
-                return 1
+        why = next((dropped[t, t.default_config(b)] for b in args.batches if (t, t.default_config(b)) in dropped), None)
+        if why is not None:
+            print(f"{PROG}: {t.label}: not tuned: its default config is dropped, nothing to compare the "
+                  f"candidates with ({why.splitlines()[0]})", file=sys.stderr)
+            continue
+        targets.append(t)
         candidates[t] = [c for c in candidates[t] if (t, c) not in dropped]
 
     platform = tuning.current_platform()
     results = []
-    progress = Progress("tune", sum(len(t.batch_candidates(candidates[t], b)) for t in args.targets
+    progress = Progress("tune", sum(len(t.batch_candidates(candidates[t], b)) for t in targets
                                     for b in args.batches))
-    for t in args.targets:
+    for t in targets:
         for r in tune_target(t, args.batches, candidates[t], args.replays, args.pool_mb << 20, progress):
             results.append(r)
             # each winner as it comes: a run cut short keeps what it measured
@@ -859,7 +865,7 @@ def main(argv=None) -> int:
     print(f"{len(results)} tuned configs for {platform.device} ({platform.arch}) merged into {out} "
           f"({len(entries)} entries); decode and verify use them from now on "
           f"({tuning.ENV_DISABLE}=0 turns them off)")
-    return 0
+    return 0 if len(targets) == len(args.targets) else 1
 
 
 if __name__ == "__main__":

@@ -67,6 +67,36 @@ def test_read_copies_fold_in_registers_with_smaller_stages(read):
         assert words in Mamba2PipeConfig(4, 132, mma_fold=False).check(Mamba2Shape(**{**shape.__dict__, **fields}))
 
 
+def test_read_copy_default_caps_registers_for_two_ctas_only_up_to_64_row_heads():
+    """Past 64-row heads (Nemotron-Nano, P = 80) the two-CTA register cap spills: one CTA per SM."""
+    nano = Mamba2Shape(96, 80, 128, 8, 16, 16, read_copy="fp16")
+    config = pipelined_config(nano, 132, "sm_90a")
+    assert config.check(nano) is None and (config.ctas, config.min_ctas_per_sm) == (132, 0)
+    assert (config.consumer_groups, config.rows_per_warp) == (2, 32)
+
+
+_SPILL_CHECK = """
+import sys
+from replayssm_cute import tune
+from replayssm_cute.models import get_model
+t = tune.TuneTarget(get_model("nemotron-nano-4b"), "standard", 16, 0, "bf16", "fp16")
+with tune.ptxas_reports():
+    dropped, _ = tune.compile_candidates([(t, t.default_config(256))], 1, "sm_90a")
+print(dropped)
+sys.exit(1 if dropped else 0)
+"""
+
+
+def test_nano_read_copy_default_compiles_without_spills(tmp_path):
+    """The tuner's compile of Nemotron-Nano's fp16 read-copy default (sm_90a), with its ptxas
+    spill check: a default that spills would be dropped and nothing tuned at that shape."""
+    env = _env(tmp_path / "cache")
+    env["CUTE_DSL_ARCH"] = "sm_90a"
+    proc = subprocess.run([sys.executable, "-c", _SPILL_CHECK], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_default_runs_two_ctas_per_sm_where_two_stages_fit_half_an_sm():
     config = pipelined_config(SUPER, 132, "sm_90a")  # 43 KB stages: two CTAs of two stages on each SM
     assert config.check(SUPER) is None and (config.ctas, config.stages) == (264, 2)
