@@ -1,76 +1,133 @@
 """The shipped H200 tuned configs (src/replayssm_cute/tuned/h200.json): which kernels and batch
-buckets they cover, and that every entry is one its kernel takes at the model's shape."""
+buckets decode / verify on an H200 (sm_90a) find a tuned config for, on the kernel class they run
+there (the pipelined decode where it is the default), and that every entry is one its kernel takes
+at the model's shape."""
 
+import dataclasses
 import json
 
 import pytest
 
 from replayssm_cute.models import MODELS
-from replayssm_cute.runtime import tuning
+from replayssm_cute.runtime import launch, tuning
 from replayssm_cute.tune import TuneTarget
 
 SHIPPED = tuning.SHIPPED_DIR / "h200.json"
 WINDOW = 16
+DRAFTS = (4, 8)
+H200 = "NVIDIA H200"
 
-
-def _entries():
-    return json.loads(SHIPPED.read_text())["entries"]
-
-
-def _covered(layer_dims, kernel, mode, num_drafts):
-    """Batch buckets with an entry for these layer dims, kernel, mode and T (fp32 state, bf16)."""
-    return {e["batch"] for e in _entries()
-            if e["kernel"] == kernel and e["mode"] == mode and e["num_drafts"] == num_drafts
-            and tuple(e["shape"].values()) == layer_dims and e.get("state", "fp32") == "fp32"
-            and e["dtype"] == "bf16" and e["device"] == "NVIDIA H200"}
-
-
-def _dims(model):
-    return (model.nheads, model.headdim, model.dstate, model.ngroups)
-
-
-@pytest.mark.parametrize("mode", ["conventional", "standard"])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_batch_bucket_of_every_registry_model_is_tuned(name, mode):
-    model = MODELS[name]
-    covered = _covered(_dims(model), f"{model.layer}_decode", mode, 0)
-    missing = sorted(set(tuning.BATCH_BUCKETS) - covered)
-    if _dims(model) == _dims(MODELS["nemotron-super"]) and mode == "standard":
-        # its batch-8 winner, (64, 8, 4), spills 20 bytes at sm_90a (a 64-register cap) and was
-        # dropped: the batch-4 entry (64, 4, 4) serves batch 8
-        assert missing == [8]
-    else:
-        assert not missing, f"{name} {mode}: no tuned entry at batch {missing}"
-
-
-# Verify entries (T = 4 and 8): the buckets still untuned, where the tuning runs ran out of device
-# time. Untuned buckets take the nearest tuned one, then the analytical default.
+# (mode, T, read copy) kernels whose buckets the shipped file covers, and the buckets of each that
+# are still untuned (where the tuning runs ran out of device time): there the nearest tuned bucket
+# within 4x serves, else the analytical default. Read-copy kernels other than these are untuned.
 _ALL = list(tuning.BATCH_BUCKETS)
-_VERIFY_MISSING = {("nemotron-super", 4): [], ("nemotron-super", 8): [1024],
-                   ("nemotron-nano-4b", 4): [], ("nemotron-nano-4b", 8): [],
-                   ("nemotron-nano-9b-v2", 4): [1024], ("nemotron-nano-9b-v2", 8): [1024],
-                   ("qwen3.5-122b", 4): [], ("qwen3.5-122b", 8): [1024],
-                   ("qwen3.5-4b", 4): _ALL, ("qwen3.5-4b", 8): _ALL}
+_MODES = [("conventional", 0, None), ("standard", 0, None)] + [("verify", t, None) for t in DRAFTS]
+_UNTUNED = {
+    ('nemotron-h-8b', 'verify', 8, None) : [1024] ,
+    ('nemotron-h-8b', 'standard', 0, 'fp16') : _ALL ,
+    ('nemotron-h-8b', 'standard', 0, 'fp8') : _ALL ,
+    ('nemotron-h-8b', 'standard', 0, 'nvfp4') : _ALL ,
+    ('nemotron-nano-4b', 'conventional', 0, None) : _ALL ,
+    ('nemotron-nano-4b', 'standard', 0, None) : _ALL ,
+    ('nemotron-nano-4b', 'standard', 0, 'fp16') : _ALL ,
+    ('nemotron-nano-4b', 'standard', 0, 'fp8') : _ALL ,
+    ('nemotron-nano-4b', 'standard', 0, 'nvfp4') : _ALL ,
+    ('nemotron-nano-9b-v2', 'conventional', 0, None) : _ALL ,
+    ('nemotron-nano-9b-v2', 'standard', 0, None) : _ALL ,
+    ('nemotron-nano-9b-v2', 'verify', 4, None) : [1024] ,
+    ('nemotron-nano-9b-v2', 'verify', 8, None) : [1024] ,
+    ('nemotron-nano-9b-v2', 'standard', 0, 'fp16') : _ALL ,
+    ('nemotron-nano-9b-v2', 'standard', 0, 'fp8') : _ALL ,
+    ('nemotron-nano-9b-v2', 'standard', 0, 'nvfp4') : _ALL ,
+    ('nemotron-super', 'verify', 8, None) : [1024] ,
+    ('nemotron-super', 'standard', 0, 'fp16') : _ALL ,
+    ('nemotron-super', 'standard', 0, 'fp8') : _ALL ,
+    ('nemotron-super', 'standard', 0, 'nvfp4') : _ALL ,
+    ('qwen3-next-80b', 'standard', 0, 'fp16') : _ALL ,
+    ('qwen3-next-80b', 'standard', 0, 'fp8') : _ALL ,
+    ('qwen3-next-80b', 'standard', 0, 'nvfp4') : _ALL ,
+    ('qwen3.5-122b', 'verify', 8, None) : [1024] ,
+    ('qwen3.5-122b', 'standard', 0, 'fp16') : _ALL ,
+    ('qwen3.5-122b', 'standard', 0, 'fp8') : _ALL ,
+    ('qwen3.5-122b', 'standard', 0, 'nvfp4') : _ALL ,
+    ('qwen3.5-4b', 'standard', 0, 'fp16') : _ALL ,
+    ('qwen3.5-4b', 'standard', 0, 'fp8') : _ALL ,
+    ('qwen3.5-4b', 'standard', 0, 'nvfp4') : _ALL ,
+}
 
 
-@pytest.mark.parametrize("name, num_drafts", sorted(_VERIFY_MISSING))
-def test_verify_buckets_tuned(name, num_drafts):
-    model = MODELS[name]
-    covered = _covered(_dims(model), f"{model.layer}_verify", "verify", num_drafts)
-    assert sorted(set(tuning.BATCH_BUCKETS) - covered) == _VERIFY_MISSING[name, num_drafts]
+def _platform():
+    from replayssm_cute import __version__
+    from replayssm_cute.runtime.compile_cache import cutlass_version
+
+    return tuning.Platform(H200, "sm_90a", __version__, cutlass_version())
+
+
+def _target(name, mode, num_drafts, read):
+    return TuneTarget(MODELS[name], mode, 1 if mode == "conventional" else WINDOW, num_drafts, "bf16", read)
+
+
+def _untuned_buckets(t):
+    """Buckets where decode / verify of `t` on an H200 picks no tuned entry of its own bucket."""
+    key = tuning.tune_key(t.kernel.name, t.shape(), t.num_drafts, _platform())
+    own = tuning._loaded_table().get(key, {})
+    missing = []
+    with launch.use_platform(_platform()):
+        for b in tuning.BATCH_BUCKETS:
+            config, tuned = launch.picked_config(t.kernel, t.shape(), b, t.num_drafts)
+            try:
+                own_config = dataclasses.replace(config, **own[b]) if b in own else None
+            except TypeError:  # the other kernel class's entry
+                own_config = None
+            if not tuned or config != own_config:
+                missing.append(b)
+    return missing
+
+
+@pytest.fixture(autouse=True)
+def _shipped_only(monkeypatch, tmp_path):
+    """The shipped file alone, as decode reads it on an sm_90a H200 with the default kernels."""
+    from replayssm_cute.layers.common import PIPELINED_ENV
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    monkeypatch.delenv(tuning.ENV_DISABLE, raising=False)
+    monkeypatch.setenv(tuning.ENV_USER_FILE, str(tmp_path / "none.json"))
+    launch.reload()
+    yield
+    launch.reload()
+
+
+@pytest.mark.parametrize("mode, num_drafts, read", _MODES, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_batch_bucket_of_every_registry_model_is_tuned(name, mode, num_drafts, read):
+    t = _target(name, mode, num_drafts, read)
+    assert _untuned_buckets(t) == _UNTUNED.get((name, mode, num_drafts, read), [])
+
+
+@pytest.mark.parametrize("name, mode, num_drafts, read", sorted(k for k in _UNTUNED if k[3] is not None))
+def test_read_copy_buckets_tuned(name, mode, num_drafts, read):
+    assert _untuned_buckets(_target(name, mode, num_drafts, read)) == _UNTUNED[name, mode, num_drafts, read]
 
 
 def test_every_shipped_entry_is_valid_for_its_kernel():
-    """Every entry parses and its config passes the kernel's check at the registry model's shape
-    (so decode never falls back to the default over a shipped entry)."""
-    by_dims = {(m.layer, _dims(m)): m for m in MODELS.values()}
+    """Every entry parses, and its config is of a class its kernel runs (the tile kernel's, or the
+    pipelined decode's) and passes the kernel's check at the registry model's shape (so decode
+    never falls back to the default over a shipped entry)."""
     from replayssm_cute.kernels.gdn.config import GDNConfig
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
     from replayssm_cute.kernels.mamba2.config import Mamba2Config
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
 
-    for i, entry in enumerate(_entries()):
+    classes = {"mamba2": (Mamba2Config, Mamba2PipeConfig), "gdn": (GDNConfig, GDNPipeConfig)}
+    by_dims = {(m.layer, tuple(dataclasses.astuple(m)[2:6])): m for m in MODELS.values()}
+    entries = json.loads(SHIPPED.read_text())["entries"]
+    for i, entry in enumerate(entries):
         key, batch, fields = tuning.parse_entry(entry)
         layer = entry["kernel"].split("_")[0]
         model = by_dims[(layer, tuple(entry["shape"].values()))]
-        target = TuneTarget(model, entry["mode"], entry["window"], entry["num_drafts"], entry["dtype"])
-        config = (GDNConfig if layer == "gdn" else Mamba2Config)(**fields)
-        assert target.check(config) is None, f"entry {i} ({model.name} {entry['mode']} b={batch}): {config}"
+        read = entry.get("state", "fp32").partition("+")[2] or None
+        t = TuneTarget(model, entry["mode"], entry["window"], entry["num_drafts"], entry["dtype"], read)
+        tile, pipe = classes[layer]
+        config = (pipe if "stages" in fields else tile)(**fields)
+        assert t.check(config) is None, f"entry {i} ({model.name} {entry['mode']} b={batch}): {config}"
