@@ -12,10 +12,11 @@ from replayssm_cute.models import MODELS
 from replayssm_cute.runtime import launch, tuning
 from replayssm_cute.tune import TuneTarget
 
+from tests.tools.test_precompile_cli import _h200
+
 SHIPPED = tuning.SHIPPED_DIR / "h200.json"
 WINDOW = 16
 DRAFTS = (4, 8)
-H200 = "NVIDIA H200"
 
 # (mode, T, read copy) kernels whose buckets the shipped file covers, and the buckets of each that
 # are still untuned (where the tuning runs ran out of device time): there the nearest tuned bucket
@@ -56,23 +57,16 @@ _UNTUNED = {
 }
 
 
-def _platform():
-    from replayssm_cute import __version__
-    from replayssm_cute.runtime.compile_cache import cutlass_version
-
-    return tuning.Platform(H200, "sm_90a", __version__, cutlass_version())
-
-
 def _target(name, mode, num_drafts, read):
     return TuneTarget(MODELS[name], mode, 1 if mode == "conventional" else WINDOW, num_drafts, "bf16", read)
 
 
 def _untuned_buckets(t):
     """Buckets where decode / verify of `t` on an H200 picks no tuned entry of its own bucket."""
-    key = tuning.tune_key(t.kernel.name, t.shape(), t.num_drafts, _platform())
+    key = tuning.tune_key(t.kernel.name, t.shape(), t.num_drafts, _h200())
     own = tuning._loaded_table().get(key, {})
     missing = []
-    with launch.use_platform(_platform()):
+    with launch.use_platform(_h200()):
         for b in tuning.BATCH_BUCKETS:
             config, tuned = launch.picked_config(t.kernel, t.shape(), b, t.num_drafts)
             try:
