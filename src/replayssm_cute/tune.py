@@ -5,6 +5,7 @@
         [--out FILE] [--replays 15] [--workers N] [--pool-mb 512] [--compile-only]
     python -m replayssm_cute.tune --shape mamba2:128,64,128,8 ...     # explicit layer dims
     python -m replayssm_cute.tune --model nemotron-super --read-copies fp16,fp8,nvfp4 --modes standard,verify
+        [--read-copies-only]
 
 --model takes the registry names of replayssm_cute.models (docs/design.md section 7), several
 separated by commas; --shape takes explicit dims instead: mamba2:H,P,N,G (heads, headdim,
@@ -13,7 +14,8 @@ window-1 step), standard (ReplaySSM decode at --window) and verify (verify + com
 drafts at --window, for each T of --drafts); default conventional,standard. Batches are
 buckets, powers of two up to 1024 (default: all of them). --read-copies adds the standard and
 verify modes (those of --modes) on caches with each of those low-precision read copies next to
-an fp32 checkpoint (their kernels, keyed by the read copy, are tuned apart).
+an fp32 checkpoint (their kernels, keyed by the read copy, are tuned apart); --read-copies-only
+leaves out the fp32-read kernels of those modes.
 
 For each kernel, activation dtype and batch bucket:
 1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
@@ -676,6 +678,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--drafts", metavar="T1,T2,...", help="draft counts T of the verify mode (needed with it)")
     parser.add_argument("--read-copies", metavar="F1,F2", default="",
                         help="also tune standard decoding with these read copies (fp16, fp8, nvfp4)")
+    parser.add_argument("--read-copies-only", action="store_true",
+                        help="tune only the read-copy kernels of --read-copies, not the fp32-read ones of --modes")
     parser.add_argument("--dtypes", default="bf16", help=f"activation dtypes, of {', '.join(DTYPES)} (default bf16)")
     parser.add_argument("--out", help="tuned-config file to merge the winners into (default: the user file, "
                                       "$REPLAYSSM_CUTE_TUNED_FILE or tuned.json in the compile-cache folder)")
@@ -745,8 +749,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if read_copies and not {"standard", "verify"} & set(modes):
         parser.error("--read-copies: tunes the standard and verify modes (the read copy's GPU kernels); "
                      "add standard or verify to --modes")
+    if args.read_copies_only and not read_copies:
+        parser.error("--read-copies-only: needs --read-copies")
 
-    args.targets = [TuneTarget(m, mode, window, T, d)
+    args.targets = [] if args.read_copies_only else [
+                    TuneTarget(m, mode, window, T, d)
                     for m in models for d in dtypes for mode in MODES if mode in modes
                     for window, T in ({"conventional": [(1, 0)], "standard": [(args.window, 0)],
                                        "verify": [(args.window, T) for T in drafts]}[mode])]

@@ -480,6 +480,7 @@ def _cli_error(capsys, argv):
     (["--model", "nemotron-super", "--read-copies", "fp4"], "--read-copies: unknown read copy 'fp4'"),
     (["--model", "nemotron-super", "--read-copies", "fp8", "--modes", "conventional"],
      "--read-copies: tunes the standard and verify modes"),
+    (["--model", "nemotron-super", "--read-copies-only"], "--read-copies-only: needs --read-copies"),
 ])
 def test_cli_argument_errors(capsys, argv, message):
     assert message in _cli_error(capsys, argv)
@@ -498,6 +499,16 @@ def test_cli_targets():
     assert [(t.model, t.mode, t.window) for t in args.targets] == [
         (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "conventional", 1),
         (ModelSpec("gdn:8,64,128,2", "gdn", 8, 64, 128, 2, 1), "standard", 16)]
+
+
+def test_cli_read_copies_only_leaves_out_the_fp32_read_kernels():
+    argv = ["--model", "nemotron-super", "--modes", "conventional,standard,verify", "--drafts", "4",
+            "--read-copies", "fp8"]
+    every = tune.parse_args(argv).targets
+    only = tune.parse_args(argv + ["--read-copies-only"]).targets
+    assert [t.label for t in only] == [t.label for t in every if t.read_copy]
+    assert [t.label for t in only] == ["nemotron-super standard L16 read fp8 bf16",
+                                       "nemotron-super verify L16 T4 read fp8 bf16"]
 
 
 def test_cli_read_copy_targets_are_the_kernels_decode_builds():
