@@ -14,8 +14,8 @@ from replayssm_cute.reference import mamba2_replay_output
 from tests.helpers.sweeps import assert_usage_errors, load, run
 
 F64 = torch.float64
-TINY = ["--tokens", "40", "--warmup", "16", "--window", "4", "--batch", "3", "--heads", "4", "--headdim", "8",
-        "--groups", "2"]
+TINY = ["--tokens", "40", "--warmup", "16", "--window", "4", "--batch", "3", "--mamba2-shape", "4,8,128,2",
+        "--gdn-shape", "4,16,128,2"]
 
 
 @pytest.fixture(scope="module")
@@ -122,16 +122,18 @@ def test_tiny_study(tmp_path):
     proc = run("decay_skip", TINY + ["--mixes", "fast,slow", "--tol-rel", "2e-3", "--out", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(open(out)))
-    assert [(r["mix"], int(r["k"])) for r in rows] == [(m, k) for m in ("fast", "slow") for k in range(1, 5)]
+    assert [(r["layer"], r["mix"], int(r["k"])) for r in rows] == [
+        (layer, m, k) for layer in ("mamba2", "gdn") for m in ("fast", "slow") for k in range(1, 5)]
     fracs = ["frac_skip", "frac_nvfp4", "frac_fp8", "frac_fp32"]
     for r in rows:
         assert abs(sum(float(r[f]) for f in fracs) - 1) < 1e-12
-        assert 0 <= float(r["max_err_over_tol"]) <= 1
-    fast = [r for r in rows if r["mix"] == "fast"]
-    assert sum(float(r["frac_skip"]) for r in fast) > 0 and max(float(r["max_err_over_tol"]) for r in fast) > 0
-    # skipping grows with the decay since the checkpoint: never less at a later position
-    nonflush = [float(r["frac_skip"]) for r in fast if r["flush"] == "False"]
-    assert nonflush[-1] >= nonflush[0]
+        assert 0 <= float(r["max_err_over_tol"]) <= 1, r
+    for layer in ("mamba2", "gdn"):
+        fast = [r for r in rows if r["mix"] == "fast" and r["layer"] == layer]
+        assert sum(float(r["frac_skip"]) for r in fast) > 0 and max(float(r["max_err_over_tol"]) for r in fast) > 0
+        # skipping grows with the decay since the checkpoint: never less at a later position
+        nonflush = [float(r["frac_skip"]) for r in fast if r["flush"] == "False"]
+        assert nonflush[-1] >= nonflush[0], layer
     assert all(float(r["frac_fp32"]) == 1 for r in rows if r["mix"] == "slow")
     assert "window_bytes_rel" in proc.stdout
 
@@ -142,7 +144,10 @@ def test_usage_errors():
         (["--tol-rel", "x"], "--tol-rel: comma-separated numbers expected"),
         (["--tol-rel", "0"], "--tol-rel: tolerances must be > 0"),
         (["--window", "1"], "--window: must be >= 2"),
-        (["--dstate", "96"], "--dstate: a multiple of 128"),
-        (["--model", "qwen3.5-122b"], "--model: a Mamba-2 model"),
+        (["--layers", "rwkv"], "--layers: unknown layer 'rwkv'"),
+        (["--mamba2-shape", "4,8,96,2"], "--mamba2-shape: the state's innermost dim a multiple of 128"),
+        (["--gdn-shape", "4,16,128"], "--gdn-shape: four dims >= 1 expected"),
+        (["--gdn-shape", "3,16,128,2"], "--gdn-shape: heads a multiple of the groups"),
+        (["--mamba2-model", "qwen3.5-122b"], "--mamba2-model: a mamba2 model expected"),
         (["--out", "README.md/x.csv"], "--out: cannot create README.md/x.csv"),
     ])
