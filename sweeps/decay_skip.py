@@ -62,7 +62,7 @@ from result_files import check_out, default_out  # noqa: E402
 from replayssm_cute import quant  # noqa: E402
 from replayssm_cute.models import get_model  # noqa: E402
 from replayssm_cute.reference import (  # noqa: E402
-    gdn_conventional_step, gdn_gates, gdn_normalize, gdn_replay_step,
+    gdn_conventional_step, gdn_gates, gdn_normalize, gdn_replay_step, mamba2_conventional_step,
 )
 from replayssm_cute.perf import ideal_bytes, quant_format, state_bytes  # noqa: E402
 
@@ -143,11 +143,12 @@ class Mamba2Study:
         b, H, P, N, G = self.dims
         hpg = H // G
         S = torch.zeros(b, H, P, N, dtype=F64)
+        D = torch.ones(H, dtype=F64)
         ys = []
         for _ in range(warmup):
             x, B, C, dt = self.inputs()
-            S = torch.exp(self.A * dt)[..., None, None] * S + (dt[..., None] * x)[..., None] * B.repeat_interleave(hpg, 1)[:, :, None]
-            ys.append(torch.einsum("bhpn,bhn->bhp", S, C.repeat_interleave(hpg, 1)) + x)
+            y, S = mamba2_conventional_step(S, x, dt, self.A, B, C, D)
+            ys.append(y)
         y_rms = torch.stack(ys).pow(2).mean().sqrt().item()
         phase = torch.arange(b) % window  # row r has r % L records at the start
         ckpt = S.clone()  # exact checkpoint of each row (all rows start from the warm-up state)
@@ -163,8 +164,7 @@ class Mamba2Study:
         for step in range(tokens):
             x, B, C, dt = self.inputs()
             C_h = C.repeat_interleave(hpg, 1)
-            S = torch.exp(self.A * dt)[..., None, None] * S + (dt[..., None] * x)[..., None] * B.repeat_interleave(hpg, 1)[:, :, None]
-            y_exact = torch.einsum("bhpn,bhn->bhp", S, C_h) + x
+            y_exact, S = mamba2_conventional_step(S, x, dt, self.A, B, C, D)
             log_gamma = log_gamma + self.A * dt
             gamma = torch.exp(log_gamma)
             k = (phase + step) % window + 1  # records since the checkpoint, this token's included
@@ -178,7 +178,7 @@ class Mamba2Study:
                 choice = read_choice(gamma, norms, drift, st["E"], c_norms, tau)
                 flush_skip = flush_skips(gamma, norms, drift)
                 # what the step uses for the checkpoint: the stored one, its copy, or nothing
-                used = stored.clone()
+                used = stored
                 for i, fmt in enumerate(COARSE):
                     sel = (choice == i + 1) & ~flush[:, None]
                     used = torch.where(sel[..., None, None], st["Q"][fmt], used)
