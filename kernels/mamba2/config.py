@@ -118,15 +118,15 @@ def default_mamba2_config(headdim: int, batch: int, window: int, whole_head: boo
     rows each, one ring walk per head) with registers capped for 4 CTAs per SM, half the head at
     batch 1 (1.3-1.5x over the 16-row tiles of the old default at batch 2-16). Conventional: 8-row
     tiles over 2 warps (1-3% over larger tiles at every batch). ``whole_head``: a CTA per head
-    (the writer of an nvfp4 copy needs the whole state's amax). With `shape` of an fp16 / fp8
-    read copy at larger batch: a head per CTA in 32-row warps, registers capped for 8 CTAs per
-    SM (sweeps/bench_read_precision.py: 1.07x over (64, 4) for fp16 at batch 256), nvfp4 alike.
-    With `shape`, the first choice its check takes."""
+    (the writer of an nvfp4 copy needs the whole state's amax). With `shape` of a read copy from
+    batch 8: a head per CTA in 32-row warps, registers capped for 8 CTAs per SM (the tuner's pick
+    for fp8 and nvfp4 at batch 8-1024 on Nemotron-3-Super, 1.21-1.31x over 4-warp heads at batch
+    8-16; fp16 copies run the pipelined kernel). With `shape`, the first choice its check takes."""
     def takes(cfg):
         return headdim % cfg.rows_per_cta == 0 and cfg.rows_per_cta % cfg.num_warps == 0 and (
             shape is None or cfg.check(shape) is None)
 
-    if shape is not None and shape.read_copy is not None and batch > 16 and headdim % 32 == 0:
+    if shape is not None and shape.read_copy is not None and batch >= 8 and headdim % 32 == 0:
         light = Mamba2Config(rows_per_cta=headdim, num_warps=headdim // 32, min_ctas_per_sm=8)
         if light.check(shape) is None:
             return light

@@ -258,12 +258,14 @@ def verify_ideal_bytes(model, batch: int, window: int, drafts: int, accepted: in
     }
 
 
-def time_graph(fn: Callable[[], object], launches_per_replay: int, replays: int = 15) -> float:
+def time_graph(fn: Callable[[], object], launches_per_replay: int, replays: int = 15,
+               warmup: Optional[Callable[[], object]] = None) -> float:
     """Median microseconds per launch over ``replays`` replays of a CUDA graph that calls fn() once.
 
-    fn() runs once on a side stream first (compiles, allocator warm-up), then is captured; the
-    graph is replayed a few times untimed, then each replay is timed with CUDA events and divided
-    by ``launches_per_replay``.
+    fn() (or ``warmup()``, when given: the tuner's single step, since a whole fn() of thousands of
+    small launches costs seconds of host time per config) runs once on a side stream first
+    (compiles, allocator warm-up), then fn() is captured; the graph is replayed a few times
+    untimed, then each replay is timed with CUDA events and divided by ``launches_per_replay``.
     """
     import torch
 
@@ -274,7 +276,7 @@ def time_graph(fn: Callable[[], object], launches_per_replay: int, replays: int 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        (warmup or fn)()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

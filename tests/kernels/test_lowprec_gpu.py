@@ -200,6 +200,7 @@ def test_verify_lowprec_small_batch_configs(layer):
     ("mamba2", "fp32", "fp16", 64, 2, 8), ("mamba2", "fp32", "fp8", 64, 2, 8), ("mamba2", "fp16", "fp8", 64, 2, 12),
     ("gdn", "fp32", "fp16", 128, 8, 0), ("gdn", "fp32", "fp8", 64, 4, 8),
     ("mamba2", "fp32", "nvfp4", 64, 2, 8), ("gdn", "fp32", "nvfp4", 128, 8, 0),
+    ("gdn", "fp32", "fp8", 128, 8, 2), ("gdn", "fp32", "nvfp4", 128, 8, 2),
 ])
 def test_light_read_copies_at_large_batch_configs(layer, ckpt, read, rows, warps, ctas):
     """The configs large batches run light read copies with (32 rows per warp, register caps that

@@ -644,6 +644,35 @@ def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
     assert seen == [Mamba2Config(16, 1, 0)]
 
 
+def test_decode_timing_warms_up_with_one_step_and_times_the_whole_window(monkeypatch):
+    """time_config of a decode mode captures the pool's whole window (every set at every ring
+    position) but warms up with a single decode step: a whole window's thousands of small
+    launches at batch 1 would cost seconds of host time per candidate."""
+    from replayssm_cute import perf
+    from replayssm_cute.perf import DecodePool
+
+    target = tune.TuneTarget(ModelSpec("mamba2:2,16,32,1", "mamba2", 2, 16, 32, 1, 1), "standard", 4, 0, "bf16", "fp8")
+    pool = DecodePool(target.model, 2, 4, device="cpu", rotation_bytes=1 << 16, read_copy="fp8")
+    assert pool.nsets > 2
+    steps = []
+    monkeypatch.setattr(pool, "step", lambda ids, config=None: steps.append(int(ids[0])))
+    seen = {}
+
+    def fake_time_graph(fn, launches, replays=15, warmup=None):
+        warmup()
+        seen["warmup"], seen["launches"] = list(steps), launches
+        steps.clear()
+        fn()
+        seen["window"] = list(steps)
+        return 1.0
+
+    monkeypatch.setattr(perf, "time_graph", fake_time_graph)
+    assert tune.time_config(target, pool, None, replays=3) == 1.0
+    assert seen["warmup"] == [0]
+    assert seen["launches"] == len(seen["window"]) == 4 * pool.nsets
+    assert sorted(seen["window"]) == sorted(int(ids[0]) for ids in pool.sets for _ in range(4))
+
+
 def test_a_kernel_whose_default_is_dropped_does_not_stop_the_others(monkeypatch, capsys):
     """One kernel's default spills (dropped at compile): that kernel is skipped with a message, the
     others are tuned and written, and the exit status says not everything was tuned."""
