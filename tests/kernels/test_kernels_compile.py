@@ -276,7 +276,7 @@ for name in cases:
 def _draft_kernels(model, drafts, with_decode, large_only):
     """precompile.draft_variants at WINDOW, bf16: verify and commit, the decode kernels on the draft
     cache if `with_decode`, only the large-batch launch config if `large_only`."""
-    from replayssm_cute.kernels.mamba2.config import default_mamba2_config, default_mamba2_verify_config
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_config, default_mamba2_verify_config
     from replayssm_cute.precompile import draft_variants
 
     m = get_model(model)
@@ -288,7 +288,7 @@ def _draft_kernels(model, drafts, with_decode, large_only):
 def _verify_configs(model, large_only):
     """How many launch configs precompile builds each verify kernel at: verify's defaults for small
     and large batches (one where they agree, e.g. a head dim that takes 16-row tiles only)."""
-    from replayssm_cute.kernels.mamba2.config import default_mamba2_verify_config
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_verify_config
 
     m = get_model(model)
     return len({default_mamba2_verify_config(m.headdim, b) for b in ((1024,) if large_only else (1, 1024))})
@@ -412,7 +412,8 @@ def test_verify_draft_range():
     window >= 2 and window + max_draft <= 32; precompile --drafts refuses the rest before building."""
     import torch
 
-    from replayssm_cute.kernels.mamba2.config import Mamba2Shape, default_mamba2_verify_config
+    from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_verify_config
     from replayssm_cute.kernels.mamba2.verify import Mamba2Verify
     from replayssm_cute.precompile import _option_error, draft_variants
     from replayssm_cute.runtime.launch import cute_dtype
@@ -479,7 +480,8 @@ def _snapshot_kernels(large_only):
     1024 and Qwen3.5-122B if `large_only`)."""
     import torch
 
-    from replayssm_cute.kernels.gdn.config import GDNShape, default_gdn_snapshot_config
+    from replayssm_cute.kernels.gdn.config import GDNShape
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_snapshot_config
     from replayssm_cute.precompile import config_label
     from replayssm_cute.runtime.launch import cute_dtype
 
@@ -562,7 +564,8 @@ def test_snapshot_check():
     1 <= T <= 16, at most 8 rows per warp; snapshot_verify's defaults always fit."""
     import torch
 
-    from replayssm_cute.kernels.gdn.config import GDNConfig, GDNShape, default_gdn_snapshot_config
+    from replayssm_cute.kernels.gdn.config import GDNConfig, GDNShape
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_snapshot_config
     from replayssm_cute.kernels.gdn.snapshot import GDNSnapshot
     from replayssm_cute.runtime.launch import cute_dtype
 

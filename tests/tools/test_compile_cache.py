@@ -116,6 +116,38 @@ def test_source_hash_follows_file_contents_and_names(tmp_path):
     assert cc._hash_tree([root]) not in (h0, h1)
 
 
+def test_source_hash_leaves_out_the_default_configs(tmp_path):
+    root = tmp_path / "kernels"
+    (root / "gdn").mkdir(parents=True)
+    (root / "gdn" / "decode.py").write_text("A = 1\n")
+    (root / "gdn" / "defaults.py").write_text("ROWS = 64\n")
+    h0 = cc._hash_tree([root])
+    (root / "gdn" / "defaults.py").write_text("ROWS = 128\n")
+    assert cc._hash_tree([root]) == h0
+    (root / "gdn" / "config.py").write_text("ROWS = 128\n")
+    assert cc._hash_tree([root]) != h0
+
+
+def test_no_kernel_module_imports_the_default_configs():
+    """What lets the source hash leave the defaults out: they cannot reach generated code."""
+    import ast
+
+    roots = cc._kernel_roots()
+    defaults = [p for r in roots for p in r.rglob("*.py") if p.name in cc.UNHASHED_NAMES]
+    assert {p.parent.name for p in defaults} == {"mamba2", "gdn"}
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if path.name in cc.UNHASHED_NAMES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                assert not any(n.split(".")[-1] == "defaults" for n in names), f"{path} imports the defaults"
+
+
 def test_source_hash_covers_the_package_kernels():
     roots = cc._kernel_roots()
     assert roots, "replayssm_cute.kernels not found"

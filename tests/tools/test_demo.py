@@ -172,7 +172,7 @@ def test_picked_config_of_a_kernel_with_no_tuned_configs_is_its_default(monkeypa
     """The kernel the old name lookup refused ('mamba2_snapshot', no tuned configs): picked_config
     now takes the Kernel itself, so none is unknown; for one outside tuning.KERNELS it is the
     analytical default, never a tuned one, and the tuned files are not asked."""
-    from replayssm_cute.kernels.mamba2.config import default_mamba2_snapshot_config
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_snapshot_config
     from replayssm_cute.layers import Mamba2Layer
     from replayssm_cute.runtime import launch, tuning
 

@@ -254,7 +254,8 @@ def test_gdn_variants_match_what_decode_asks_for(name):
     with decode's default launch configs for small and large batches, one label each."""
     import torch
 
-    from replayssm_cute.kernels.gdn.config import GDNShape, default_gdn_config
+    from replayssm_cute.kernels.gdn.config import GDNShape
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_config
     from replayssm_cute.runtime.launch import cute_dtype
 
     m = get_model(name)
@@ -385,7 +386,8 @@ def test_mamba2_draft_variants_match_what_verify_asks_for(name, window, drafts, 
     batches, the commit shape per T; one label each."""
     import torch
 
-    from replayssm_cute.kernels.mamba2.config import Mamba2Shape, default_mamba2_config, default_mamba2_verify_config
+    from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_config, default_mamba2_verify_config
     from replayssm_cute.runtime.launch import cute_dtype
 
     m = get_model(name)
@@ -426,7 +428,8 @@ def test_gdn_draft_variants_match_what_verify_asks_for(name):
     batch today), the commit shape per T."""
     import torch
 
-    from replayssm_cute.kernels.gdn.config import GDNShape, default_gdn_config, default_gdn_verify_config
+    from replayssm_cute.kernels.gdn.config import GDNShape
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_config, default_gdn_verify_config
     from replayssm_cute.runtime.launch import cute_dtype
 
     m = get_model(name)
@@ -455,8 +458,8 @@ def test_read_copy_variants_are_what_decode_builds(name):
     import torch
 
     from replayssm_cute.cache import GDNCache, Mamba2Cache
-    from replayssm_cute.kernels.gdn.config import default_gdn_config
-    from replayssm_cute.kernels.mamba2.config import default_mamba2_config
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_config
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_config
     from replayssm_cute.layers import GDNLayer, Mamba2Layer
     from replayssm_cute.layers.common import whole_head
 
@@ -487,8 +490,8 @@ def test_read_copy_draft_variants_are_what_verify_builds(name, fmt):
     import torch
 
     from replayssm_cute.cache import GDNCache, Mamba2Cache
-    from replayssm_cute.kernels.gdn.config import default_gdn_config, default_gdn_verify_config
-    from replayssm_cute.kernels.mamba2.config import default_mamba2_config, default_mamba2_verify_config
+    from replayssm_cute.kernels.gdn.defaults import default_gdn_config, default_gdn_verify_config
+    from replayssm_cute.kernels.mamba2.defaults import default_mamba2_config, default_mamba2_verify_config
     from replayssm_cute.layers import GDNLayer, Mamba2Layer
 
     m = get_model(name)

@@ -28,8 +28,8 @@ from replayssm_cute.kernels import config_space as space
 from replayssm_cute.kernels.gdn.config import GDNConfig
 from replayssm_cute.kernels.mamba2.config import Mamba2Config
 from replayssm_cute.models import MODELS, ModelSpec, get_model
-from replayssm_cute.kernels.mamba2 import config as mcfg
-from replayssm_cute.kernels.gdn import config as gcfg
+from replayssm_cute.kernels.gdn import defaults as gdefaults
+from replayssm_cute.kernels.mamba2 import defaults as mdefaults
 
 from tests.helpers import ROOT
 
@@ -359,7 +359,7 @@ def test_decode_takes_the_tuned_config_of_the_nearest_bucket(compiled):
     cache = Mamba2Cache(2, SUPER.nheads, SUPER.headdim, SUPER.dstate, SUPER.ngroups, window=16, device="meta")
     kernel = lambda batch, config=None: _mamba2_decode(cache, batch, config)  # noqa: E731
     kernel(50)
-    assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, 64, 16)  # nothing tuned yet
+    assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, 64, 16)  # nothing tuned yet
     _write_user([_entry(64, (32, 2, 0)), _entry(1024, (64, 8, 0))])
     kernel(50)
     assert compiled[-1] == Mamba2Config(32, 2, 0)
@@ -372,7 +372,7 @@ def test_decode_takes_the_tuned_config_of_the_nearest_bucket(compiled):
     kernel(600)
     assert len(compiled) == n
     kernel(3)  # bucket 4: nothing within a factor 4
-    assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, 4, 16)
+    assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, 4, 16)
     kernel(50, Mamba2Config(16, 4))  # an explicit config wins
     assert compiled[-1] == Mamba2Config(16, 4)
 
@@ -385,7 +385,7 @@ def test_tuned_config_the_shape_cannot_take_falls_back_to_the_default(compiled):
     launch.reload()
     for batch in (64, 256):
         _mamba2_decode(cache, batch)
-        assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, batch, 16)
+        assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, batch, 16)
 
 
 def test_tuned_entries_no_kernel_takes_leave_decode_on_the_default(compiled):
@@ -402,10 +402,10 @@ def test_tuned_entries_no_kernel_takes_leave_decode_on_the_default(compiled):
     assert len(messages) == 3
     for i, field in enumerate(("rows_per_cta 0", "num_warps 64", "min_ctas_per_sm -3")):
         assert f"ignoring entry {i} of {tuning.user_file()}" in messages[i] and field in messages[i]
-    assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, 64, 16)
+    assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, 64, 16)
     for batch, bucket in ((200, 256), (600, 1024)):
         _mamba2_decode(cache, batch)
-        assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, bucket, 16)
+        assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, bucket, 16)
 
 
 def test_tuned_config_whose_check_raises_falls_back_with_a_warning(compiled, monkeypatch):
@@ -422,7 +422,7 @@ def test_tuned_config_whose_check_raises_falls_back_with_a_warning(compiled, mon
     monkeypatch.setattr(Mamba2Config, "check", raising_check)
     with pytest.warns(RuntimeWarning, match=r"ignoring the tuned config .*32.*: ZeroDivisionError"):
         _mamba2_decode(cache, 64)
-    assert compiled[-1] == mcfg.default_mamba2_config(SUPER.headdim, 64, 16)
+    assert compiled[-1] == mdefaults.default_mamba2_config(SUPER.headdim, 64, 16)
 
 
 def test_gdn_decode_and_verify_take_tuned_configs(compiled):
@@ -438,7 +438,7 @@ def test_gdn_decode_and_verify_take_tuned_configs(compiled):
     launch.launcher(GDNLayer.verify_kernel, shape, 4, 64)
     assert compiled[-1] == GDNConfig(32, 2, 0)
     launch.launcher(GDNLayer.verify_kernel, shape, 2, 64)
-    assert compiled[-1] == gcfg.default_gdn_verify_config(m.headdim, 64)  # T = 2 not tuned
+    assert compiled[-1] == gdefaults.default_gdn_verify_config(m.headdim, 64)  # T = 2 not tuned
 
 
 # ------------------------------------------------------------------------------------- the CLI

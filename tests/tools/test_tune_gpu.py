@@ -11,7 +11,8 @@ import torch
 
 import replayssm_cute as rs
 from replayssm_cute import tune
-from replayssm_cute.kernels.mamba2.config import Mamba2Config, default_mamba2_config
+from replayssm_cute.kernels.mamba2.config import Mamba2Config
+from replayssm_cute.kernels.mamba2.defaults import default_mamba2_config
 from replayssm_cute.runtime import launch, tuning
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("tile_decode")]  # tuned configs are the tile kernels'

@@ -83,7 +83,7 @@ def _split_mixed_qkv(mixed_qkv, H: int, K: int, HV: int, V: int, act, device):
 
 
 def _decode_default(shape, bucket: int):
-    from ..kernels.gdn.config import default_gdn_config
+    from ..kernels.gdn.defaults import default_gdn_config
     from ..kernels.gdn.pipelined import pipelined_config
 
     config = pipelined_choice(shape, pipelined_config, by_default=pipelined_by_default(shape, bucket))
@@ -107,7 +107,7 @@ def _decode_build(shape, config, num_drafts: int, options: str):
 
 
 def _verify_default(shape, bucket: int):
-    from ..kernels.gdn.config import default_gdn_verify_config
+    from ..kernels.gdn.defaults import default_gdn_verify_config
 
     return default_gdn_verify_config(shape.head_v_dim, bucket, whole_head(shape))
 
@@ -125,7 +125,7 @@ def _verify_build(shape, config, num_drafts: int, options: str):
 
 
 def _snapshot_default(shape, bucket: int):
-    from ..kernels.gdn.config import default_gdn_snapshot_config
+    from ..kernels.gdn.defaults import default_gdn_snapshot_config
 
     return default_gdn_snapshot_config(shape.head_v_dim, bucket)
 

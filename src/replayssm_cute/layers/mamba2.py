@@ -73,7 +73,7 @@ def _per_head(name: str, t: Optional[torch.Tensor], H: int, trailing: tuple, dev
 
 
 def _decode_default(shape, bucket: int):
-    from ..kernels.mamba2.config import default_mamba2_config
+    from ..kernels.mamba2.defaults import default_mamba2_config
     from ..kernels.mamba2.pipelined import pipelined_config
 
     config = pipelined_choice(shape, pipelined_config, by_default=pipelined_by_default(shape))
@@ -97,7 +97,7 @@ def _decode_build(shape, config, num_drafts: int, options: str):
 
 
 def _verify_default(shape, bucket: int):
-    from ..kernels.mamba2.config import default_mamba2_verify_config
+    from ..kernels.mamba2.defaults import default_mamba2_verify_config
 
     return default_mamba2_verify_config(shape.headdim, bucket, whole_head(shape))
 
@@ -115,7 +115,7 @@ def _verify_build(shape, config, num_drafts: int, options: str):
 
 
 def _snapshot_default(shape, bucket: int):
-    from ..kernels.mamba2.config import default_mamba2_snapshot_config
+    from ..kernels.mamba2.defaults import default_mamba2_snapshot_config
 
     return default_mamba2_snapshot_config(shape.headdim, bucket)
 

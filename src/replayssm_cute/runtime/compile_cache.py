@@ -9,7 +9,9 @@ Disk entries are `<name>-<sha256>.o` under `$REPLAYSSM_CUTE_CACHE_DIR` (default
 `~/.cache/replayssm_cute`), written by the compiled function's `export_to_c` and read back with
 `cute.runtime.load_module(path, enable_tvm_ffi=True)`. The hash covers the caller's key, the target
 arch, this package's version, the CuTe DSL version and the text of every `.py` file under
-`replayssm_cute/kernels`, so an edited kernel never loads a stale binary. Files appear atomically
+`replayssm_cute/kernels`, so an edited kernel never loads a stale binary; all but the layers'
+`defaults.py` (the analytical launch-config choices: no kernel module imports them, and the
+config chosen is in the key), so that a change of a default keeps every compiled kernel. Files appear atomically
 (temp file in the same folder, then `os.replace`), and one compile per key runs at a time across
 processes (an `fcntl` lock beside the file), so concurrent processes never see a partial file.
 Each file ends with the sha256 of its object code (`_HASH_TAG`, then the hex digest), checked
@@ -178,13 +180,20 @@ def cutlass_version() -> str:
     return str(cutlass.__version__)
 
 
+# Files under the kernel roots that generate no code: the analytical default configs, which no
+# kernel module imports (tests/tools/test_compile_cache.py checks that).
+UNHASHED_NAMES = ("defaults.py",)
+
+
 def _hash_tree(roots: Iterable[Path]) -> str:
-    """sha256 over the relative paths and contents of every .py file under `roots`."""
+    """sha256 over the relative paths and contents of every .py file under `roots` but those
+    named in UNHASHED_NAMES."""
     h = hashlib.sha256()
     for root in roots:
         root = Path(root)
         files = sorted(
-            p for p in root.rglob("*.py") if "__pycache__" not in p.relative_to(root).parts
+            p for p in root.rglob("*.py")
+            if "__pycache__" not in p.relative_to(root).parts and p.name not in UNHASHED_NAMES
         )
         for p in files:
             rel = p.relative_to(root).as_posix().encode()
