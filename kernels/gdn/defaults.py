@@ -17,8 +17,9 @@ def default_gdn_config(head_v_dim: int, batch: int, window: int, shape=None, who
     `shape`, the first choice that fits it (shared memory for large K). ``whole_head``: a CTA per
     head (the writer of an nvfp4 copy needs the whole state's amax), 16 rows per warp. A read
     copy from batch 4 takes the whole head too, registers capped for 2 CTAs per SM where it fits
-    (the tuner's pick for fp16 and fp8 on Qwen3.5-122B from batch 4 and 16: 1.05-1.23x over
-    64-row tiles at batch 4-16, 1.03-1.07x over uncapped heads above)."""
+    (the tuner's pick on Qwen3.5-122B: nvfp4 1.29-1.36x over uncapped heads at every batch from
+    4; fp16 and fp8 from batch 4 and 16, 1.05-1.23x over 64-row tiles at batch 4-16, 1.03-1.07x
+    over uncapped heads above)."""
     if shape is not None and shape.read_copy is not None and batch >= 4 and head_v_dim % 16 == 0:
         for ctas in (2, 0):
             cfg = GDNConfig(rows_per_cta=head_v_dim, num_warps=head_v_dim // 16, min_ctas_per_sm=ctas)
