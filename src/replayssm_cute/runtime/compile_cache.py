@@ -11,9 +11,10 @@ Disk entries are `<name>-<sha256>.o` under `$REPLAYSSM_CUTE_CACHE_DIR` (default
 arch, this package's version, the CuTe DSL version and the text of every `.py` file under
 `replayssm_cute/kernels`, so an edited kernel never loads a stale binary; all but the layers'
 `defaults.py` (the analytical launch-config choices: no kernel module imports them, and the
-config chosen is in the key), so that a change of a default keeps every compiled kernel. Files appear atomically
-(temp file in the same folder, then `os.replace`), and one compile per key runs at a time across
-processes (an `fcntl` lock beside the file), so concurrent processes never see a partial file.
+config chosen is in the key), so that a change of a default keeps every compiled kernel. Files
+appear atomically (temp file in the same folder, then `os.replace`), and one compile per key
+runs at a time across processes (an `fcntl` lock beside the file), so concurrent processes never
+see a partial file.
 Each file ends with the sha256 of its object code (`_HASH_TAG`, then the hex digest), checked
 before every load: a file changed on disk (a flipped byte in the embedded cubin still loads), cut
 short, or written without the hash is rebuilt and replaced, never trusted.
