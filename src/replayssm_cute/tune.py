@@ -21,9 +21,10 @@ For each kernel, activation dtype and batch bucket:
 1. candidates: the launch configs of the layer's config space (kernels/config_space.py) that
    the kernel's check takes (shared memory, register cap, divisibility), the analytical default
    among them. All are compiled first, in parallel worker processes (cute.compile is not
-   thread-safe), into the on-disk compile cache; one that fails to compile, or whose kernel
-   spills registers (ptxas's report), is dropped. A kernel already in the cache is not compiled,
-   so its spills go unchecked (a note says how many).
+   thread-safe), into the on-disk compile cache; one that fails to compile is dropped. One whose
+   kernel spills registers (ptxas's report) is listed with its spill bytes and timed like the
+   others: timing decides, whether the candidate was compiled now or loaded from the cache
+   (where ptxas does not run, so nothing is listed; a note says how many).
 2. each candidate runs a whole window on a small pool (ring positions 0..L-1, flush included;
    whole cursor cycles of verify + commit at a = 1 and a = T drafts accepted) from the same
    state as the default config; one whose outputs or final state differ from the default's is
@@ -352,10 +353,11 @@ def _fd2_to(file):
         os.close(saved)
 
 
-def _compile_job(job) -> Tuple[Optional[str], bool]:
-    """Build one (target, config) into the compile cache: (why it is dropped, or None; whether
-    its spills were checked). A kernel that fails to compile or spills registers is dropped; one
-    loaded from the cache was not compiled, so ptxas did not report on it."""
+def _compile_job(job) -> Tuple[Optional[str], Optional[Tuple[int, int, int]]]:
+    """Build one (target, config) into the compile cache: (why it is dropped, or None; ptxas's
+    worst (stack frame, spill stores, spill loads), None where ptxas did not run: loaded from the
+    cache). Only a kernel that fails to compile is dropped: a spilling one is timed like the
+    others, so the outcome does not depend on what the cache held."""
     target, config = job
     why = None
     with tempfile.TemporaryFile() as log:
@@ -368,17 +370,16 @@ def _compile_job(job) -> Tuple[Optional[str], bool]:
         report, rest = ptxas_report(log.read().decode(errors="replace"))
     sys.stderr.write(rest)  # what else was said (warnings, errors) still shows
     sys.stderr.flush()
-    if why is None and report is not None and (report[1] or report[2]):
-        why = f"spills {max(report[1:])} bytes (stack frame {report[0]} bytes)"
-    return why, report is not None
+    return why, report
 
 
 def compile_candidates(jobs, workers: int, arch: str) -> Tuple[Dict[tuple, str], int]:
     """Build every (target, config) of `jobs`: in `workers` processes through the disk cache
-    (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1. Their
-    spills are checked where ptxas reports them (``ptxas_reports``). Returns {(target, config):
-    why it is dropped} for those that did not compile or spill, and how many of the others went
-    unchecked (loaded from the compile cache)."""
+    (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1. Returns
+    {(target, config): why it is dropped} for those that did not compile, {(target, config):
+    ptxas's (stack frame, spill stores, spill loads)} for the others that spill (where ptxas
+    reports them: ``ptxas_reports``), and how many of the others were loaded from the compile
+    cache, so ptxas did not report on them."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from .runtime.compile_cache import disk_cache_enabled
@@ -398,7 +399,9 @@ def compile_candidates(jobs, workers: int, arch: str) -> Tuple[Dict[tuple, str],
                 outcomes[futures[future]] = future.result()
                 progress.advance(futures[future][0].label)
     dropped = {job: why for job, (why, _) in outcomes.items() if why is not None}
-    return dropped, sum(why is None and not checked for why, checked in outcomes.values())
+    spills = {job: report for job, (why, report) in outcomes.items()
+              if why is None and report is not None and (report[1] or report[2])}
+    return dropped, spills, sum(why is None and report is None for why, report in outcomes.values())
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -838,12 +841,16 @@ def main(argv=None) -> int:
         jobs = [(t, c) for t in args.targets for c in candidates[t]]
         print(f"{PROG}: {len(args.targets)} kernels x {len(args.batches)} batch buckets, {len(jobs)} candidate "
               f"launch configs for {arch}", flush=True)
-        dropped, unchecked = compile_candidates(jobs, args.workers, arch)
+        dropped, spills, unreported = compile_candidates(jobs, args.workers, arch)
     for (t, c), why in sorted(dropped.items(), key=lambda kv: (kv[0][0].label, config_order(kv[0][1]))):
         print(f"  {t.label} {config_label(c)}: dropped ({why.splitlines()[0]})")
-    if unchecked:
-        print(f"  {unchecked} candidates were in the compile cache already: ptxas did not run, so their spills "
-              f"are not checked")
+    for (t, c), (stack, stores, loads) in sorted(spills.items(), key=lambda kv: (kv[0][0].label,
+                                                                                 config_order(kv[0][1]))):
+        print(f"  {t.label} {config_label(c)}: spills {max(stores, loads)} bytes (stack frame {stack} bytes); "
+              f"timed like the others")
+    if unreported:
+        print(f"  {unreported} candidates were in the compile cache already: ptxas did not run, so their spills "
+              f"are not reported")
     if args.compile_only:
         print(f"{len(jobs) - len(dropped)} kernels in the compile cache")
         return 0

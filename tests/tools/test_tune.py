@@ -585,7 +585,7 @@ def test_compile_only_builds_the_candidates(monkeypatch, tmp_path, capsys):
     # and the window-4 kernel
     assert "2 kernels x 2 batch buckets, 10 candidate launch configs for sm_90a" in out
     assert "10 kernels in the compile cache" in out
-    assert "dropped" not in out and "not checked" not in out  # every kernel compiled, ptxas reported no spills
+    assert "dropped" not in out and "spills" not in out  # every kernel compiled, ptxas reported no spills
     assert len(list((tmp_path / "cache").glob("mamba2_decode-*.o"))) == 10
     assert not tuning.user_file().exists()
     # again: all loaded from the cache, so ptxas did not run
@@ -605,7 +605,7 @@ def test_tuning_flow_on_a_cpu_pool(monkeypatch, capsys):
     from replayssm_cute.perf import DecodePool
 
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
-    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, 0))
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, {}, 0))
     monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
     monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
         self.model, batch, self.window, drafts=self.num_drafts, device="cpu", rotation_bytes=0,
@@ -674,16 +674,16 @@ def test_decode_timing_warms_up_with_one_step_and_times_the_whole_window(monkeyp
 
 
 def test_a_kernel_whose_default_is_dropped_does_not_stop_the_others(monkeypatch, capsys):
-    """One kernel's default spills (dropped at compile): that kernel is skipped with a message, the
+    """One kernel's default fails to compile (dropped): that kernel is skipped with a message, the
     others are tuned and written, and the exit status says not everything was tuned."""
     from replayssm_cute.perf import DecodePool
 
-    def spills_the_verify_default(jobs, workers, arch):
-        return {(t, c): "spills 8 bytes" for t, c in jobs
-                if t.mode == "verify" and c == t.default_config(2)}, 0
+    def fails_the_verify_default(jobs, workers, arch):
+        return {(t, c): "ValueError: no registers left" for t, c in jobs
+                if t.mode == "verify" and c == t.default_config(2)}, {}, 0
 
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
-    monkeypatch.setattr(tune, "compile_candidates", spills_the_verify_default)
+    monkeypatch.setattr(tune, "compile_candidates", fails_the_verify_default)
     monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
     monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
         self.model, batch, self.window, drafts=self.num_drafts, device="cpu", rotation_bytes=0,
@@ -695,8 +695,39 @@ def test_a_kernel_whose_default_is_dropped_does_not_stop_the_others(monkeypatch,
             "--batch", "2"]
     assert tune.main(argv) == 1
     err = capsys.readouterr().err
-    assert "verify L4 T2 bf16: not tuned: its default config is dropped" in err and "spills 8 bytes" in err
+    assert "verify L4 T2 bf16: not tuned: its default config is dropped" in err and "no registers left" in err
     assert [e["mode"] for e in tuning.read_entries(tuning.user_file())] == ["standard"]
+
+
+def test_spilling_candidates_are_listed_and_timed_like_the_others(monkeypatch, capsys):
+    """A candidate that spills, and a default that spills, stay in the race: each is listed with
+    its spill bytes, and the spilling candidate that times fastest is the one written."""
+    from replayssm_cute.perf import DecodePool
+
+    def spills_the_default_and_the_one_warp_configs(jobs, workers, arch):
+        return {}, {(t, c): (8, 8, 4) for t, c in jobs if c.num_warps == 1 or c == t.default_config(2)}, 0
+
+    monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
+    monkeypatch.setattr(tune, "compile_candidates", spills_the_default_and_the_one_warp_configs)
+    monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
+    monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
+        self.model, batch, self.window, device="cpu", rotation_bytes=0, dtype=self.torch_dtype()))
+    timed = set()
+
+    def time_config(target, pool, config, replays):
+        timed.add(config)
+        return 10.0 + config.num_warps + config.rows_per_cta / 100
+
+    monkeypatch.setattr(tune, "time_config", time_config)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    argv = ["--shape", "mamba2:2,16,32,1", "--modes", "standard", "--window", "4", "--batch", "2"]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("spills 8 bytes (stack frame 8 bytes); timed like the others") >= 2
+    (entry,) = tuning.read_entries(tuning.user_file())
+    assert entry["config"]["num_warps"] == 1  # a spilling config won, as it timed fastest
+    assert any(c.num_warps == 1 for c in timed) and any(c.num_warps > 1 for c in timed)
 
 
 def test_tuning_a_read_copy_kernel_on_a_cpu_pool(monkeypatch, capsys):
@@ -705,7 +736,7 @@ def test_tuning_a_read_copy_kernel_on_a_cpu_pool(monkeypatch, capsys):
     from replayssm_cute.perf import DecodePool
 
     monkeypatch.setattr(tune, "_target_arch", lambda compile_only: "sm_90a")
-    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, 0))
+    monkeypatch.setattr(tune, "compile_candidates", lambda jobs, workers, arch: ({}, {}, 0))
     monkeypatch.setattr(tune, "tune_target", _tune_in_this_process)
     monkeypatch.setattr(tune.TuneTarget, "pool", lambda self, batch, rotation_bytes: DecodePool(
         self.model, batch, self.window, device="cpu", rotation_bytes=0, dtype=self.torch_dtype(),
@@ -767,10 +798,11 @@ def test_ptxas_report_finds_the_spills_and_leaves_the_rest():
     assert tune.ptxas_report(WARNING) == (None, WARNING)  # nothing compiled
 
 
-def test_compile_job_drops_a_kernel_that_spills_and_restores_stderr(capfd):
-    """The report comes on file descriptor 2: a kernel that spills is dropped, one without a
-    report (loaded from the compile cache) is kept unchecked; whatever else was written there
-    shows, and fd 2 is the same file afterwards, after a failed compile too."""
+def test_compile_job_reports_spills_drops_only_failed_compiles_and_restores_stderr(capfd):
+    """The report comes on file descriptor 2: a kernel that spills is kept with its report, one
+    without a report (loaded from the compile cache) is kept with none, one that fails to compile
+    is dropped; whatever else was written there shows, and fd 2 is the same file afterwards, after
+    a failed compile too."""
     def job(report, error=None):
         def compile(config):
             os.write(2, (WARNING + report).encode())
@@ -779,10 +811,10 @@ def test_compile_job_drops_a_kernel_that_spills_and_restores_stderr(capfd):
         return SimpleNamespace(compile=compile), Mamba2Config()
 
     before = os.fstat(2)
-    assert tune._compile_job(job(SPILL_REPORT)) == ("spills 24 bytes (stack frame 24 bytes)", True)
-    assert tune._compile_job(job(CLEAN_REPORT)) == (None, True)
-    assert tune._compile_job(job("")) == (None, False)
-    assert tune._compile_job(job("", ValueError("bad tile"))) == ("ValueError: bad tile", False)
+    assert tune._compile_job(job(SPILL_REPORT)) == (None, (24, 20, 24))
+    assert tune._compile_job(job(CLEAN_REPORT)) == (None, (0, 0, 0))
+    assert tune._compile_job(job("")) == (None, None)
+    assert tune._compile_job(job("", ValueError("bad tile"))) == ("ValueError: bad tile", None)
     after = os.fstat(2)
     assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
     os.write(2, b"still stderr\n")
