@@ -164,11 +164,14 @@ def _check_device(cache, device, low_precision_kernel: bool = False) -> None:
         )
 
 
-def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts) -> tuple:
+def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts, token_name: str, total_tokens) -> tuple:
     """(batch, T) of a packed verify call, from tensor metadata only, so it captures in a CUDA
     graph: batch from slot_ids, cu_seqlens (batch + 1,) int32 on the cache's device, T =
-    num_drafts. Debug mode also reads cu_seqlens back (synchronises) to check every row holds
-    exactly T tokens."""
+    num_drafts, the most tokens a row holds; ``total_tokens`` (axis 0 of the packed token tensor
+    ``token_name``) is
+    batch * T when every row holds T, else between batch and batch * T (rows of 1..T tokens).
+    None where that tensor is not one (its own check says so). Debug mode also reads cu_seqlens
+    back (synchronises) to check the rows."""
     device = cache.checkpoint.device
     if not isinstance(slot_ids, torch.Tensor) or slot_ids.dim() != 1:
         checks.fail("slot_ids", "an int32 tensor of shape (batch,)",
@@ -184,19 +187,45 @@ def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts) -> tuple:
     if cu_seqlens.device != device:
         checks.fail("cu_seqlens", f"a tensor on {device}", cu_seqlens.device)
     if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
-        checks.fail("num_drafts", "a Python int (the T every row was drafted with) alongside cu_seqlens",
-                    type(num_drafts).__name__)
+        checks.fail("num_drafts", "a Python int (the most drafts a row holds; kernels are compiled per T) "
+                    "alongside cu_seqlens", type(num_drafts).__name__)
     if not 1 <= num_drafts <= min(cache.max_draft, cache.window):
         checks.fail("num_drafts", f"1 <= num_drafts <= min(max_draft {cache.max_draft}, window {cache.window})",
                     num_drafts)
-    if checks.debug_host_checks(device):
+    if total_tokens is not None and not bsz <= total_tokens <= bsz * num_drafts:
+        checks.fail(token_name, f"batch {bsz} to batch * num_drafts = {bsz * num_drafts} packed tokens "
+                    f"on axis 0 (rows of 1..num_drafts tokens)", f"{total_tokens} tokens")
+    if total_tokens is not None and checks.debug_host_checks(device):
         bounds = cu_seqlens.tolist()
-        wrong = [(i, n) for i, n in enumerate(e - s for s, e in zip(bounds, bounds[1:])) if n != num_drafts]
-        if bounds[0] != 0 or wrong:
-            got = f"cu_seqlens[0] = {bounds[0]}" if bounds[0] != 0 else f"row {wrong[0][0]} with {wrong[0][1]} tokens"
-            checks.fail("cu_seqlens", f"arange(batch + 1) * {num_drafts}: every row verifies exactly num_drafts = "
-                        f"{num_drafts} tokens (rows with fewer are not supported)", got)
+        counts = [e - s for s, e in zip(bounds, bounds[1:])]
+        if total_tokens == bsz * num_drafts:
+            wrong = [(i, n) for i, n in enumerate(counts) if n != num_drafts]
+            rule = (f"arange(batch + 1) * {num_drafts}: with batch * num_drafts tokens every row verifies "
+                    f"exactly num_drafts = {num_drafts} tokens")
+        else:
+            wrong = [(i, n) for i, n in enumerate(counts) if not 1 <= n <= num_drafts]
+            rule = f"rows of 1..num_drafts = {num_drafts} tokens from cu_seqlens[0] = 0 to cu_seqlens[-1] = {total_tokens}"
+        if bounds[0] != 0 or wrong or bounds[-1] != total_tokens:
+            got = (f"cu_seqlens[0] = {bounds[0]}" if bounds[0] != 0 else
+                   f"row {wrong[0][0]} with {wrong[0][1]} tokens" if wrong else f"cu_seqlens[-1] = {bounds[-1]}")
+            checks.fail("cu_seqlens", rule, got)
     return bsz, num_drafts
+
+
+def _draft_rows(cu_seqlens, bsz: int, T: int, total: int):
+    """Where uneven packed rows go in the (batch, T) layout the kernels take, on the device with
+    no host read (graph-capturable): (source (batch * T,), the packed token each draft position
+    takes, a row's last token repeated past its count so every draft is a real input; target
+    (total,), each packed token's flat draft position; counts (batch,) int32). Indices are
+    clamped into range, so bad cu_seqlens (refused in debug mode) cannot read out of bounds."""
+    cu = cu_seqlens.long()
+    counts = cu[1:] - cu[:-1]
+    t = torch.arange(T, device=cu.device)
+    source = (cu[:-1, None] + torch.minimum(t[None, :], (counts - 1).clamp(min=0)[:, None])).clamp(0, total - 1)
+    token = torch.arange(total, device=cu.device)
+    row = torch.searchsorted(cu[1:].contiguous(), token, right=True).clamp(max=bsz - 1)
+    target = row * T + (token - cu[row]).clamp(0, T - 1)
+    return source.flatten(), target, counts.to(torch.int32)
 
 
 def _unpack_tokens(name: str, t, bsz: int, T: int, optional: bool = False):
@@ -270,12 +299,19 @@ def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, 
     if cache.max_draft < 1:
         checks.fail("cache", "a cache with room for drafts (max_draft >= 1)", f"max_draft {cache.max_draft}")
     packed_out = named["out"]
+    scatter = draft_counts = None  # uneven rows: where each packed output comes from, and the rows' counts
     if cu_seqlens is not None or num_drafts is not None:
-        bsz, T = _varlen_shape(cache, named["slot_ids"], cu_seqlens, num_drafts)
-        for name in layer.packed_tokens:
-            named[name] = _unpack_tokens(name, named[name], bsz, T)
-        for name in layer.packed_optional_tokens + ("out",):
-            named[name] = _unpack_tokens(name, named[name], bsz, T, optional=True)
+        total, lead = _packed_total(named, layer.packed_tokens + layer.packed_optional_tokens)
+        bsz, T = _varlen_shape(cache, named["slot_ids"], cu_seqlens, num_drafts, lead, total)
+        if total is None or total == bsz * T:  # every row holds T tokens: zero-copy views
+            for name in layer.packed_tokens:
+                named[name] = _unpack_tokens(name, named[name], bsz, T)
+            for name in layer.packed_optional_tokens + ("out",):
+                named[name] = _unpack_tokens(name, named[name], bsz, T, optional=True)
+        else:  # rows of 1..T tokens: gathered into (b, T), each row's last token standing in for its missing drafts
+            gather, scatter, draft_counts = _draft_rows(cu_seqlens, bsz, T, total)
+            for name in layer.packed_tokens + layer.packed_optional_tokens + ("out",):
+                named[name] = _gather_drafts(name, named[name], gather, bsz, T, total)
     inputs = layer.inputs(**named, drafts=True)
     b, T = getattr(inputs, layer.tokens).shape[:2]
     if not 1 <= T <= min(cache.max_draft, cache.window):
@@ -287,13 +323,42 @@ def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, 
     kernel = None
     if b > 0 and device.type != "cpu":
         kernel = launch.launcher(layer.verify_kernel, layer.shape(cache, layer.static_inputs(inputs)), T, b, config)
-    if plan is None:  # a standalone verify: its own plan, which then awaits commit(cache, ...)
-        plan = cache.table.plan_verify(inputs.slot_ids, T) if device.type != "cpu" or b == 0 else None
+    if plan is None and (device.type != "cpu" or b == 0 or draft_counts is not None):
+        # a standalone verify: its own plan, which then awaits commit(cache, ...)
+        plan = cache.table.plan_verify(inputs.slot_ids, T, draft_counts=draft_counts)
     if b > 0 and device.type == "cpu":
         layer.verify_reference(cache, inputs, plan)
     elif b > 0:
         kernel(*layer.verify_kernel_args(cache, inputs, plan))
+    if scatter is not None:
+        y = inputs.out.flatten(0, 1).index_select(0, scatter)
+        return y if packed_out is None else packed_out.copy_(y)
     return _verify_result(inputs.out, packed_out, cu_seqlens)
+
+
+def _packed_total(named: dict, names: tuple):
+    """(total_tokens, a token tensor that has it) of packed token tensors: the axis-0 length most
+    of them share (so the one that differs is the one an error names), None if none is a tensor."""
+    totals = [(t.shape[0], n) for n in names if isinstance(t := named.get(n), torch.Tensor) and t.dim() >= 2]
+    if not totals:
+        return None, names[0]
+    lengths = [n for n, _ in totals]
+    total = max(lengths, key=lengths.count)  # the first of the most common
+    return total, next(name for n, name in totals if n == total)
+
+
+def _gather_drafts(name: str, t, gather, bsz: int, T: int, total: int):
+    """Packed tokens (total, ...) of uneven rows as a new (b, T, ...) tensor (``_draft_rows``); for
+    a caller's ``out`` the copy verify writes (checked by verify as any out), holding the caller's
+    values where verify skips a row, so that copying it back leaves those rows as they were."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[0] != total:
+        checks.fail(name, f"a packed (total_tokens, ...) tensor, total_tokens = {total} as the other token tensors",
+                    getattr(t, "shape", type(t).__name__))
+    if t.device != gather.device:
+        checks.fail(name, f"a tensor on {gather.device}", t.device)
+    return t.index_select(0, gather).view((bsz, T) + tuple(t.shape[1:]))
 
 
 def _verify_result(out, packed_out, cu_seqlens):

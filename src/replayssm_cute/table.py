@@ -51,13 +51,15 @@ class StepPlan(NamedTuple):
     """A model step's plan (module docstring): its table, slot ids, plan rows (b, 4) int32
     (slot, h, origin, sr_writes before the step) and draft count (0: standard decode, T: a verify
     step awaiting its commit); ``host_ids``: the slot ids read on the host (a CPU table, or debug
-    mode), else None."""
+    mode), else None; ``draft_counts``: with rows of fewer drafts than T, each row's count (int32
+    (b,) on the table's device), which bounds its commit, else None (every row holds T)."""
 
     table: "SequenceTable"
     slot_ids: torch.Tensor
     rows: torch.Tensor
     num_drafts: int
     host_ids: Optional[Tuple[int, ...]]
+    draft_counts: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -119,17 +121,28 @@ class SequenceTable:
         self._refuse_while_pending("plan_decode")
         return self._plan(slot_ids, 0, "plan_decode")
 
-    def plan_verify(self, slot_ids: torch.Tensor, num_drafts: int) -> StepPlan:
+    def plan_verify(self, slot_ids: torch.Tensor, num_drafts: int,
+                    draft_counts: Optional[torch.Tensor] = None) -> StepPlan:
         """The plan of a verify step of ``num_drafts`` (T) drafts per row; the table moves at
-        ``commit(plan, num_accepted)``, which must come before any other plan."""
+        ``commit(plan, num_accepted)``, which must come before any other plan. ``draft_counts``
+        (int32 (b,) on the table's device; e.g. ``cu_seqlens.diff().int()``): where rows hold
+        fewer drafts than T (verify's packed form), each row's count, so that the commit can
+        refuse to accept more (checked where commit reads on the host: the CPU and debug mode)."""
         self._refuse_while_pending("plan_verify")
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
             raise TypeError(f"plan_verify: argument 'num_drafts': expected an int, got {type(num_drafts).__name__}")
         if not 1 <= num_drafts <= min(self.max_draft, self.window):
             raise ValueError(f"plan_verify: argument 'num_drafts': expected 1 <= T <= min(max_draft {self.max_draft}, "
                              f"window {self.window}), got {num_drafts}")
-        plan = self._plan(slot_ids, num_drafts, "plan_verify")
-        self.pending = plan
+        if draft_counts is not None:
+            b = slot_ids.shape[0] if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 else None
+            if (not isinstance(draft_counts, torch.Tensor) or draft_counts.dtype != torch.int32
+                    or tuple(draft_counts.shape) != (b,) or draft_counts.device != self.device):
+                checks.fail("draft_counts", f"None or an int32 tensor of shape ({b},) on {self.device}",
+                            f"{getattr(draft_counts, 'dtype', type(draft_counts).__name__)} "
+                            f"{tuple(getattr(draft_counts, 'shape', ()))}")
+        plan = self._plan(slot_ids, num_drafts, "plan_verify")._replace(draft_counts=draft_counts)
+        self.last_plan = self.pending = plan
         return plan
 
     def commit(self, plan: StepPlan, num_accepted: torch.Tensor) -> None:
@@ -156,9 +169,16 @@ class SequenceTable:
                         f"{tuple(getattr(num_accepted, 'shape', ()))}")
         if self.device.type == "cpu" or checks.debug_host_checks(self.device):
             live = self.live(plan.rows[:, 0])
-            bad = [int(a) for a, ok in zip(num_accepted.tolist(), live.tolist()) if ok and not 1 <= a <= T]
+            counts = [T] * b if plan.draft_counts is None else plan.draft_counts.tolist()
+            bad = [(r, int(a), n) for r, (a, ok, n) in enumerate(zip(num_accepted.tolist(), live.tolist(), counts))
+                   if ok and not 1 <= a <= n]
+            if bad and plan.draft_counts is None:
+                raise ValueError(f"commit: argument 'num_accepted': expected values in [1, {T}], got "
+                                 f"{[a for _, a, _ in bad[:8]]}")
             if bad:
-                raise ValueError(f"commit: argument 'num_accepted': expected values in [1, {T}], got {bad[:8]}")
+                raise ValueError("commit: argument 'num_accepted': expected values in [1, the row's draft count] "
+                                 "(its tokens in verify's cu_seqlens), got "
+                                 + ", ".join(f"row {r}: {a} of {n}" for r, a, n in bad[:8]))
         if b > 0 and self.device.type == "cpu":
             self._commit_reference(plan, num_accepted)
         elif b > 0:

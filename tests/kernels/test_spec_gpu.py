@@ -319,13 +319,17 @@ def test_gdn_verify_commit_cuda_graph():
     assert rel_err(cache.materialize(slots), ref_state, allow_zero=True) < 2e-2
 
 
+@pytest.mark.parametrize("uneven", [False, True], ids=["T-each", "1-to-T"])
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("kind", ["mamba2", "gdn"])
-def test_varlen_verify_matches_dense_bit_for_bit(kind, captured):
-    """verify's packed form (tokens (b * T, ...), cu_seqlens, num_drafts) + commit, run eagerly or
+def test_varlen_verify_matches_dense_bit_for_bit(kind, captured, uneven):
+    """verify's packed form (tokens (total, ...), cu_seqlens, num_drafts) + commit, run eagerly or
     replayed from one CUDA graph, against the dense form run eagerly on an identical copy of the
     cache, over 40 steps with pad rows and random acceptance (flushes included): outputs,
-    checkpoint, ring, cursor and origin bit-identical after every step."""
+    checkpoint, ring, cursor and origin bit-identical after every step. Rows hold T tokens each,
+    or (uneven) 1..T, their counts reshuffled every step (the total fixed, as a graph needs),
+    against the dense form whose missing drafts repeat the row's last token, accepting at most
+    a row's count."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(7)
     host = torch.Generator().manual_seed(7)
@@ -361,10 +365,12 @@ def test_varlen_verify_matches_dense_bit_for_bit(kind, captured):
     twin = copy.deepcopy(cache)
     # Static buffers: the dense form reads them as (b, T, ...), the packed form as (b * T, ...).
     tokens = make_tokens()
-    packed_tokens = [t.flatten(0, 1) for t in tokens]
+    base_counts = torch.tensor([i % T + 1 if uneven else T for i in range(batch)])
+    total = int(base_counts.sum())
+    packed_tokens = [t.flatten(0, 1)[:total].clone() for t in tokens]
     packed = dict(cu_seqlens=torch.arange(batch + 1, dtype=torch.int32, device=dev) * T, num_drafts=T)
     dense_out = torch.empty(batch, T, *out_shape, dtype=torch.bfloat16, device=dev)
-    packed_out = torch.empty(batch * T, *out_shape, dtype=torch.bfloat16, device=dev)
+    packed_out = torch.empty(total, *out_shape, dtype=torch.bfloat16, device=dev)
     step_slots = slots.clone()
     accepted = torch.ones(batch, dtype=torch.int32, device=dev)
 
@@ -376,18 +382,25 @@ def test_varlen_verify_matches_dense_bit_for_bit(kind, captured):
         graph = _capture(packed_step, step_slots)
     flushes = 0
     for step in range(40):
-        for dst, src in zip(tokens, make_tokens()):
-            dst.copy_(src)
+        counts = base_counts[torch.randperm(batch, generator=host)]
+        stand_in = torch.tensor([r * T + min(t, n - 1) for r, n in enumerate(counts.tolist()) for t in range(T)],
+                                device=dev)
+        own = torch.tensor([r * T + t for r, n in enumerate(counts.tolist()) for t in range(n)], device=dev)
+        for dst, src, flat in zip(tokens, make_tokens(), packed_tokens):
+            dst.copy_(src.flatten(0, 1)[stand_in].view(src.shape))
+            flat.copy_(dst.flatten(0, 1)[own])
+        packed["cu_seqlens"].copy_(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
         live = torch.rand(batch, generator=gen, device=dev) > 0.1
         step_slots.copy_(torch.where(live, slots, torch.full_like(slots, -1)))
-        accepted.copy_(torch.randint(1, T + 1, (batch,), generator=host, dtype=torch.int32))
+        accepted.copy_(torch.cat([torch.randint(1, n + 1, (1,), generator=host, dtype=torch.int32)
+                                  for n in counts.tolist()]))
         dense_out.fill_(777.0)
         packed_out.fill_(777.0)
         flushes += int((live & (cache.cursor[slots.long()] + T > window)).any())
         run_verify(cache, tokens, step_slots, dense_out)
         rs.commit(cache, step_slots, accepted)
         graph.replay() if captured else packed_step()
-        assert torch.equal(packed_out, dense_out.flatten(0, 1)), f"step {step} outputs"
+        assert torch.equal(packed_out, dense_out.flatten(0, 1)[own]), f"step {step} outputs"
         pairs = zip(cache_tensors(cache), cache_tensors(twin))
         differ = [i for i, (dense, varlen) in enumerate(pairs) if not torch.equal(dense, varlen)]
         assert not differ, f"step {step}: tensors {differ} of {cache_tensors.__name__} differ"
