@@ -282,14 +282,17 @@ def verify(cache, *args, **kwargs):
     ``flush_corrections == "rederive"``), as ``reference.*_verify_lowprec_cache_``.
 
     Packed (varlen) form, as serving engines lay out drafts: pass ``cu_seqlens`` (an int32 tensor
-    (b + 1,) on the cache's device) and ``num_drafts`` (the Python int T every row was drafted
-    with; kernels are compiled per T) as keywords, with every token tensor and ``out`` laid out
+    (b + 1,) on the cache's device) and ``num_drafts`` (the Python int T, the most tokens a row
+    holds; kernels are compiled per T) as keywords, with every token tensor and ``out`` laid out
     (total_tokens, ...), row i's tokens at cu_seqlens[i]:cu_seqlens[i + 1]; ``out`` comes back
-    packed. Every row must hold exactly T tokens (cu_seqlens = arange(b + 1) * T); the tokens are
-    viewed as (b, T, ...) without a copy, so they must be packed back to back (a column slice of
-    a wider buffer needs ``.contiguous()``). cu_seqlens is never read on the host (CUDA-graph
-    capturable): total_tokens == b * T is checked from shapes, and ``REPLAYSSM_CUTE_DEBUG=1``
-    also checks cu_seqlens == arange(b + 1) * T, which synchronises.
+    packed. cu_seqlens is never read on the host (CUDA-graph capturable). With total_tokens ==
+    b * T every row holds T tokens and they are viewed as (b, T, ...) without a copy, so they
+    must be packed back to back (a column slice of a wider buffer needs ``.contiguous()``). With
+    b <= total_tokens < b * T rows hold 1..T tokens: they are gathered on the device into (b, T,
+    ...), each row's last token standing in for its missing drafts (no draft's output sees a
+    later one, and commit accepts at most the row's count, which the CPU path and debug mode
+    check), and the rows' own outputs are scattered back. ``REPLAYSSM_CUTE_DEBUG=1`` also reads
+    cu_seqlens back (synchronises) and checks its rows.
     """
     return _dispatch("verify", cache, _verify, args, kwargs)
 
@@ -390,7 +393,8 @@ def commit(cache, slot_ids, num_accepted):
     counter advances past the verify step's write). Pad rows are skipped.
 
     What is checked where: the batch size against the verify's everywhere (tensor metadata). The
-    CPU path compares the slot ids with the verify's and refuses num_accepted outside 1..T;
+    CPU path compares the slot ids with the verify's and refuses num_accepted outside 1..T (a
+    packed verify of rows with fewer drafts: outside 1..the row's count);
     ``REPLAYSSM_CUTE_DEBUG=1`` does both on the host on the GPU path too (it synchronises; skipped
     under CUDA-graph capture). The commit kernel takes its rows from the verify's plan, so it
     moves exactly the slots verify read, whatever ``slot_ids`` holds; the normal GPU path reads
