@@ -167,11 +167,10 @@ def _check_device(cache, device, low_precision_kernel: bool = False) -> None:
 def _varlen_shape(cache, slot_ids, cu_seqlens, num_drafts, token_name: str, total_tokens) -> tuple:
     """(batch, T) of a packed verify call, from tensor metadata only, so it captures in a CUDA
     graph: batch from slot_ids, cu_seqlens (batch + 1,) int32 on the cache's device, T =
-    num_drafts, the most tokens a row holds; ``total_tokens`` (axis 0 of the packed token tensor
-    ``token_name``) is
-    batch * T when every row holds T, else between batch and batch * T (rows of 1..T tokens).
-    None where that tensor is not one (its own check says so). Debug mode also reads cu_seqlens
-    back (synchronises) to check the rows."""
+    num_drafts, the most tokens a row holds. ``total_tokens``, axis 0 of the packed token tensor
+    ``token_name``, is batch * T when every row holds T, else between batch and batch * T (rows
+    of 1..T tokens); None where that tensor is not one (its own check says so). Debug mode also
+    reads cu_seqlens back (synchronises) to check the rows."""
     device = cache.checkpoint.device
     if not isinstance(slot_ids, torch.Tensor) or slot_ids.dim() != 1:
         checks.fail("slot_ids", "an int32 tensor of shape (batch,)",

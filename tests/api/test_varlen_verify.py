@@ -40,17 +40,19 @@ def _packed_tokens(args, names, T):
 MAMBA2_TOKENS = ("x", "dt", "B", "C", "z")
 
 
-def _dense_and_packed_agree(dense_cache, dense_args, packed_args, out_shape, accepted, T, given_out):
+def _dense_and_packed_agree(dense_cache, dense_args, packed_args, out_shape, accepted, T, given_out, own=None):
     """verify + commit in the dense form on `dense_cache` and in the packed form on a copy of it:
-    outputs (packed out is the dense out flattened) and every cache tensor bit-identical."""
+    outputs (packed out is the dense out flattened, at the draft positions `own` where rows hold
+    fewer than T) and every cache tensor bit-identical."""
     packed_cache = _clone_cache(dense_cache)
     bsz = dense_args["slot_ids"].shape[0]
+    own = torch.arange(bsz * T) if own is None else own
     dense_out = torch.full((bsz, T) + out_shape, float("nan"), dtype=ACT)  # skipped rows stay NaN
-    packed_out = torch.full((bsz * T,) + out_shape, float("nan"), dtype=ACT) if given_out else None
+    packed_out = torch.full((len(own),) + out_shape, float("nan"), dtype=ACT) if given_out else None
     assert verify(dense_cache, **dense_args, out=dense_out) is dense_out
     y = verify(packed_cache, **packed_args, out=packed_out)
-    assert y is packed_out if given_out else y.shape == (bsz * T,) + out_shape
-    assert torch.equal(_bits(y), _bits(dense_out.flatten(0, 1)))
+    assert y is packed_out if given_out else y.shape == (len(own),) + out_shape
+    assert torch.equal(_bits(y), _bits(dense_out.flatten(0, 1)[own]))
     assert_same_cache(packed_cache, dense_cache)
     acc = torch.tensor(accepted, dtype=torch.int32)
     commit(dense_cache, dense_args["slot_ids"], acc)
@@ -257,23 +259,12 @@ def _uneven(args, names, counts):
 
 
 def _uneven_agrees(dense_cache, args, names, counts, accepted, out_shape, given_out):
-    """verify + commit of rows with `counts` drafts, packed, on a copy of `dense_cache`, against
-    the dense form with stand-in drafts: the rows' outputs and every cache tensor bit-identical."""
+    """verify + commit of rows with `counts` drafts, packed, against the dense form with stand-in
+    drafts (``_dense_and_packed_agree``); the dense outputs at the rows' own positions."""
     packed_args, dense_args, own = _uneven(args, names, counts)
-    packed_cache = _clone_cache(dense_cache)
-    bsz, T = len(counts), args[names[0]].shape[1]
-    dense_out = torch.full((bsz, T) + out_shape, float("nan"), dtype=ACT)
-    packed_out = torch.full((len(own),) + out_shape, float("nan"), dtype=ACT) if given_out else None
-    verify(dense_cache, **dense_args, out=dense_out)
-    y = verify(packed_cache, **packed_args, out=packed_out)
-    assert y is packed_out if given_out else y.shape == (len(own),) + out_shape
-    assert torch.equal(_bits(y), _bits(dense_out.flatten(0, 1)[own]))
-    assert_same_cache(packed_cache, dense_cache)
-    acc = torch.tensor(accepted, dtype=torch.int32)
-    commit(dense_cache, dense_args["slot_ids"], acc)
-    commit(packed_cache, packed_args["slot_ids"], acc)
-    assert_same_cache(packed_cache, dense_cache)
-    return y
+    dense_out = _dense_and_packed_agree(dense_cache, dense_args, packed_args, out_shape, accepted,
+                                        args[names[0]].shape[1], given_out, own)
+    return dense_out.flatten(0, 1)[own]
 
 
 @pytest.mark.parametrize("given_out", [True, False])
