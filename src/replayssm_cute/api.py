@@ -332,10 +332,7 @@ def _verify(layer, cache, *args, config=None, cu_seqlens=None, num_drafts=None, 
         layer.verify_reference(cache, inputs, plan)
     elif b > 0:
         kernel(*layer.verify_kernel_args(cache, inputs, plan))
-    if scatter is not None:
-        y = inputs.out.flatten(0, 1).index_select(0, scatter)
-        return y if packed_out is None else packed_out.copy_(y)
-    return _verify_result(inputs.out, packed_out, cu_seqlens)
+    return _verify_result(inputs.out, packed_out, cu_seqlens, scatter)
 
 
 def _packed_total(named: dict, names: tuple):
@@ -363,11 +360,15 @@ def _gather_drafts(name: str, t, gather, bsz: int, T: int, total: int):
     return t.index_select(0, gather).view((bsz, T) + tuple(t.shape[1:]))
 
 
-def _verify_result(out, packed_out, cu_seqlens):
-    """verify's return value: the caller's packed ``out`` (or the allocated one viewed packed)
-    in the packed form, else ``out`` (b, T, ...)."""
+def _verify_result(out, packed_out, cu_seqlens, scatter):
+    """verify's return value: in the packed form the caller's packed ``out`` (or the allocated
+    one viewed packed); with rows of fewer than T tokens, the rows' own outputs (``scatter``,
+    from ``_draft_rows``) copied there or returned; else ``out`` (b, T, ...)."""
     if cu_seqlens is None:
         return out
+    if scatter is not None:
+        rows_own = out.flatten(0, 1).index_select(0, scatter)
+        return rows_own if packed_out is None else packed_out.copy_(rows_own)
     return packed_out if packed_out is not None else out.flatten(0, 1)
 
 
@@ -414,11 +415,7 @@ def _commit(cache, slot_ids, num_accepted):
     if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 and slot_ids.shape[0] != b:
         checks.fail("slot_ids", f"the {b} slot ids of the pending verify, row for row", f"{slot_ids.shape[0]} ids")
     slot_ids = checks.slot_ids(slot_ids, b, device)
-    if (not isinstance(num_accepted, torch.Tensor) or num_accepted.dtype != torch.int32
-            or tuple(num_accepted.shape) != (b,) or num_accepted.device != device or not num_accepted.is_contiguous()):
-        checks.fail("num_accepted", f"a contiguous int32 tensor of shape ({b},) on {device}",
-                    f"{getattr(num_accepted, 'dtype', type(num_accepted).__name__)} "
-                    f"{tuple(getattr(num_accepted, 'shape', ()))}")
+    checks.row_counts("num_accepted", num_accepted, b, device)
     if pending.host_ids is not None and (device.type == "cpu" or checks.debug_host_checks(device)):
         ids = tuple(slot_ids.tolist())
         if ids != pending.host_ids:

@@ -62,6 +62,15 @@ def slot_ids(slot_ids, b: int, device) -> torch.Tensor:
     return slot_ids
 
 
+def row_counts(name: str, t, b: int, device) -> None:
+    """A per-row count tensor (commit's num_accepted, a verify plan's draft counts): a contiguous
+    int32 tensor of shape (b,) on `device`."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (b,) or t.device != device
+            or not t.is_contiguous()):
+        fail(name, f"a contiguous int32 tensor of shape ({b},) on {device}",
+             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+
 def slots_in_pool(cache, slot_ids: torch.Tensor) -> None:
     """Debug mode: host-side slot checks (synchronises)."""
     ids = slot_ids.tolist()

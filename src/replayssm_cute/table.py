@@ -125,7 +125,7 @@ class SequenceTable:
                     draft_counts: Optional[torch.Tensor] = None) -> StepPlan:
         """The plan of a verify step of ``num_drafts`` (T) drafts per row; the table moves at
         ``commit(plan, num_accepted)``, which must come before any other plan. ``draft_counts``
-        (int32 (b,) on the table's device; e.g. ``cu_seqlens.diff().int()``): where rows hold
+        (contiguous int32 (b,) on the table's device; e.g. ``cu_seqlens.diff()``): where rows hold
         fewer drafts than T (verify's packed form), each row's count, so that the commit can
         refuse to accept more (checked where commit reads on the host: the CPU and debug mode)."""
         self._refuse_while_pending("plan_verify")
@@ -136,11 +136,7 @@ class SequenceTable:
                              f"window {self.window}), got {num_drafts}")
         if draft_counts is not None:
             b = slot_ids.shape[0] if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 else None
-            if (not isinstance(draft_counts, torch.Tensor) or draft_counts.dtype != torch.int32
-                    or tuple(draft_counts.shape) != (b,) or draft_counts.device != self.device):
-                checks.fail("draft_counts", f"None or an int32 tensor of shape ({b},) on {self.device}",
-                            f"{getattr(draft_counts, 'dtype', type(draft_counts).__name__)} "
-                            f"{tuple(getattr(draft_counts, 'shape', ()))}")
+            checks.row_counts("draft_counts", draft_counts, b, self.device)
         plan = self._plan(slot_ids, num_drafts, "plan_verify")._replace(draft_counts=draft_counts)
         self.last_plan = self.pending = plan
         return plan
@@ -161,12 +157,7 @@ class SequenceTable:
             raise ValueError("commit: argument 'plan': expected the pending plan_verify plan of this table, got "
                              "another plan (stale, or a decode plan)")
         b, T = plan.batch, plan.num_drafts
-        if (not isinstance(num_accepted, torch.Tensor) or num_accepted.dtype != torch.int32
-                or tuple(num_accepted.shape) != (b,) or num_accepted.device != self.device
-                or not num_accepted.is_contiguous()):
-            checks.fail("num_accepted", f"a contiguous int32 tensor of shape ({b},) on {self.device}",
-                        f"{getattr(num_accepted, 'dtype', type(num_accepted).__name__)} "
-                        f"{tuple(getattr(num_accepted, 'shape', ()))}")
+        checks.row_counts("num_accepted", num_accepted, b, self.device)
         if self.device.type == "cpu" or checks.debug_host_checks(self.device):
             live = self.live(plan.rows[:, 0])
             counts = [T] * b if plan.draft_counts is None else plan.draft_counts.tolist()

@@ -373,7 +373,8 @@ def _compile_job(job) -> Tuple[Optional[str], Optional[Tuple[int, int, int]]]:
     return why, report
 
 
-def compile_candidates(jobs, workers: int, arch: str) -> Tuple[Dict[tuple, str], int]:
+def compile_candidates(jobs, workers: int,
+                       arch: str) -> Tuple[Dict[tuple, str], Dict[tuple, Tuple[int, int, int]], int]:
     """Build every (target, config) of `jobs`: in `workers` processes through the disk cache
     (cute.compile is not thread-safe), in this one when that cache is off or workers <= 1. Returns
     {(target, config): why it is dropped} for those that did not compile, {(target, config):
