@@ -25,21 +25,10 @@ _ALL = list(tuning.BATCH_BUCKETS)
 _MODES = ([("conventional", 0, None), ("standard", 0, None)] + [("verify", t, None) for t in DRAFTS]
           + [("standard", 0, read) for read in ("fp16", "fp8", "nvfp4")])
 _UNTUNED = {
-    ('nemotron-h-8b', 'verify', 8, None): [1024],
     ('nemotron-nano-4b', 'standard', 0, 'fp16'): _ALL,
-    ('nemotron-nano-4b', 'standard', 0, 'fp8'): _ALL,
+    ('nemotron-nano-4b', 'standard', 0, 'fp8'): [32, 64, 128, 256, 512, 1024],
     ('nemotron-nano-4b', 'standard', 0, 'nvfp4'): _ALL,
-    ('nemotron-nano-9b-v2', 'verify', 4, None): [1024],
-    ('nemotron-nano-9b-v2', 'verify', 8, None): [1024],
-    ('nemotron-nano-9b-v2', 'standard', 0, 'fp16'): _ALL,
-    ('nemotron-super', 'verify', 8, None): [1024],
-    ('qwen3-next-80b', 'standard', 0, 'fp16'): [8, 16, 32, 64, 128, 256, 512, 1024],
-    ('qwen3-next-80b', 'standard', 0, 'fp8'): [8, 16, 32, 64, 128, 256, 512, 1024],
-    ('qwen3-next-80b', 'standard', 0, 'nvfp4'): _ALL,
     ('qwen3.5-122b', 'verify', 8, None): [1024],
-    ('qwen3.5-4b', 'standard', 0, 'fp16'): [8, 16, 32, 64, 128, 256, 512, 1024],
-    ('qwen3.5-4b', 'standard', 0, 'fp8'): [8, 16, 32, 64, 128, 256, 512, 1024],
-    ('qwen3.5-4b', 'standard', 0, 'nvfp4'): _ALL,
 }
 
 
