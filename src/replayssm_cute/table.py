@@ -134,10 +134,7 @@ class SequenceTable:
         if not 1 <= num_drafts <= min(self.max_draft, self.window):
             raise ValueError(f"plan_verify: argument 'num_drafts': expected 1 <= T <= min(max_draft {self.max_draft}, "
                              f"window {self.window}), got {num_drafts}")
-        if draft_counts is not None:
-            b = slot_ids.shape[0] if isinstance(slot_ids, torch.Tensor) and slot_ids.dim() == 1 else None
-            checks.row_counts("draft_counts", draft_counts, b, self.device)
-        plan = self._plan(slot_ids, num_drafts, "plan_verify")._replace(draft_counts=draft_counts)
+        plan = self._plan(slot_ids, num_drafts, "plan_verify", draft_counts)
         self.last_plan = self.pending = plan
         return plan
 
@@ -224,12 +221,14 @@ class SequenceTable:
         live = (ids >= 0) & (ids < self.num_slots)
         return live & (ids != 0) if self.pad_slot_id == 0 else live
 
-    def _plan(self, slot_ids, num_drafts: int, op: str) -> StepPlan:
+    def _plan(self, slot_ids, num_drafts: int, op: str, draft_counts: Optional[torch.Tensor] = None) -> StepPlan:
         try:
             ids = self.slot_tensor(slot_ids, "slot_ids")
         except ValueError as e:
             raise ValueError(f"{op}: {e}") from None
         b = ids.shape[0]
+        if draft_counts is not None:  # checked against the checked ids, before the plan is written
+            checks.row_counts("draft_counts", draft_counts, b, self.device)
         host_read = self.device.type == "cpu" or checks.debug_host_checks(self.device)
         if host_read:
             self.check_distinct(ids, op)
@@ -241,7 +240,7 @@ class SequenceTable:
 
             table_launcher("plan", self.window, self.capacity, num_drafts, self.pad_slot_id)(
                 ids, rows, self.committed, self.origin, self.sr_writes)
-        plan = StepPlan(self, ids, rows, num_drafts, tuple(ids.tolist()) if host_read else None)
+        plan = StepPlan(self, ids, rows, num_drafts, tuple(ids.tolist()) if host_read else None, draft_counts)
         self.last_plan = plan
         return plan
 

@@ -361,3 +361,7 @@ def test_plan_verify_checks_draft_counts():
         with pytest.raises(ValueError, match="argument 'draft_counts'"):
             cache.table.plan_verify(ids, SPEC_T, draft_counts=bad)
         assert cache.table.pending is None
+    # bad slot ids are named as such, not as a draft_counts mismatch
+    with pytest.raises(ValueError, match="argument 'slot_ids'"):
+        cache.table.plan_verify(ids.tolist(), SPEC_T, draft_counts=torch.ones(B_ROWS, dtype=torch.int32))
+    assert cache.table.pending is None
