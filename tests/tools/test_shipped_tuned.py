@@ -26,9 +26,7 @@ _MODES = ([("conventional", 0, None), ("standard", 0, None)] + [("verify", t, No
           + [("standard", 0, read) for read in ("fp16", "fp8", "nvfp4")])
 _UNTUNED = {
     ('nemotron-nano-4b', 'standard', 0, 'fp16'): _ALL,
-    ('nemotron-nano-4b', 'standard', 0, 'fp8'): [32, 64, 128, 256, 512, 1024],
-    ('nemotron-nano-4b', 'standard', 0, 'nvfp4'): _ALL,
-    ('qwen3.5-122b', 'verify', 8, None): [1024],
+    ('nemotron-nano-4b', 'standard', 0, 'nvfp4'): [1024],
 }
 
 
