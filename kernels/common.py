@@ -18,7 +18,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .limits import MAX_CAPACITY, MAX_DRAFT
+from .limits import MAX_CAPACITY, MAX_DRAFT, programmatic_launch
 
 
 SMEM_PER_CTA = 227 * 1024  # opt-in maximum per CTA on sm_90 / sm_100 / sm_103
@@ -39,18 +39,55 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_tiles(kernel_call, grid, config, smem_bytes: int, stream):
-    """Launch a tile kernel: ``config.num_warps`` warps a CTA, its register cap
-    (``min_ctas_per_sm``), and all of the SM's unified memory as shared memory, where the
-    checkpoint tiles in flight live."""
+def launch(kernel_call, grid, block, stream, smem_bytes: int = 0, min_ctas_per_sm: int = 0):
+    """Launch one of our kernels: all of the SM's unified memory as shared memory (where the
+    state tiles in flight live), and programmatically where ``programmatic_launch()`` says so.
+    Every kernel launched here starts with ``after_previous_kernel``."""
     kernel_call.launch(
         grid=grid,
-        block=[32 * config.num_warps, 1, 1],
+        block=block,
         smem=smem_bytes,
         stream=stream,
-        min_blocks_per_mp=config.min_ctas_per_sm,
+        min_blocks_per_mp=min_ctas_per_sm,
         preferred_smem_carveout=100,
+        use_pdl=programmatic_launch(),
     )
+
+
+def launch_tiles(kernel_call, grid, config, smem_bytes: int, stream):
+    """Launch a tile kernel: ``config.num_warps`` warps a CTA and its register cap (``min_ctas_per_sm``)."""
+    launch(kernel_call, grid, [32 * config.num_warps, 1, 1], stream, smem_bytes, config.min_ctas_per_sm)
+
+
+@cute.jit
+def after_previous_kernel():
+    """Wait until the kernels before this one in the stream have finished and their writes are
+    visible, then let the next kernel launch (its CTAs only take SM room once every CTA of this
+    grid runs). Under a plain launch both are no-ops. Nothing a previous kernel may write is read
+    before this, but for an L2 prefetch (``prefetch_l2``) by an id read with ``load_past_l1``."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
+@dsl_user_op
+def prefetch_l2(t: cute.Tensor, num_bytes: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """One thread asks for ``num_bytes`` (a multiple of 16) of global memory from ``t``'s first
+    element into L2 (``cp.async.bulk.prefetch.L2``), so loads issued later find them there."""
+    address = t.iterator.toint(loc=loc, ip=ip)
+    llvm.inline_asm(None, [address.ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_past_l1(t: cute.Tensor, index, *, loc=None, ip=None) -> Int32:
+    """``t[index]`` of an Int32 tensor, loaded from L2 without keeping the line in L1
+    (``ld.global.cg``): read before ``after_previous_kernel`` (a previous kernel may still write
+    it), so no stale copy may stay in L1 for the loads after the wait."""
+    address = (t.iterator + index).toint(loc=loc, ip=ip)
+    return Int32(llvm.inline_asm(Int32.mlir_type, [address.ir_value(loc=loc, ip=ip)],
+                                 "ld.global.cg.b32 $0, [$1];", "=r,l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 def round_up(n: int, m: int) -> int:

@@ -13,9 +13,7 @@ from typing import NamedTuple, Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import SMEM_PER_CTA
 from .config_space import MAX_CTAS, MAX_STAGES, PREFETCH_CHOICES
@@ -192,13 +190,3 @@ def copy_records_async(atom: cute.CopyAtom, gRecords: cute.Tensor, sRecords: cut
 def flat(t: cute.Tensor, count: int) -> cute.Tensor:
     """The ``count`` contiguous elements from ``t``'s first one as a (1, count) row (``copy_rows_async``)."""
     return cute.make_tensor(t.iterator, cute.make_layout((1, count), stride=(0, 1)))
-
-
-@dsl_user_op
-def prefetch_l2(t: cute.Tensor, num_bytes: cutlass.Constexpr[int], *, loc=None, ip=None):
-    """One thread asks for ``num_bytes`` (a multiple of 16) of global memory from ``t``'s first
-    element into L2 (``cp.async.bulk.prefetch.L2``), so loads issued later find them there."""
-    address = t.iterator.toint(loc=loc, ip=ip)
-    llvm.inline_asm(None, [address.ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

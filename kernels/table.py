@@ -45,7 +45,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .common import slot_is_live
+from .common import after_previous_kernel, launch, slot_is_live
 from .limits import PLAN_COLUMNS
 
 _THREADS = 128
@@ -76,7 +76,7 @@ class TableShape:
 
 def _launch_rows(kernel_call, rows, stream):
     """Launch one thread per batch row."""
-    kernel_call.launch(grid=[(rows + _THREADS - 1) // _THREADS, 1, 1], block=[_THREADS, 1, 1], stream=stream)
+    launch(kernel_call, [(rows + _THREADS - 1) // _THREADS, 1, 1], [_THREADS, 1, 1], stream)
 
 
 @cute.jit
@@ -105,6 +105,7 @@ class TablePlan:
     def kernel(self, mSlot: cute.Tensor, mPlan: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                mSrWrites: cute.Tensor):
         s = self.shape
+        after_previous_kernel()
         row = _this_row()
         if row < mSlot.shape[0]:
             slot = mSlot[row]
@@ -147,6 +148,7 @@ class TableCommit:
     def kernel(self, mPlan: cute.Tensor, mAccepted: cute.Tensor, mCommitted: cute.Tensor, mOrigin: cute.Tensor,
                mSrWrites: cute.Tensor):
         s = self.shape
+        after_previous_kernel()
         row = _this_row()
         if row < mPlan.shape[0]:
             slot = mPlan[row, 0]

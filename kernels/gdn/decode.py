@@ -60,11 +60,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (clear_stale_record, launch_tiles, planned_positions, pow2_at_least, slot_is_live,
-                      warp_reduce_many)
+from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, pow2_at_least,
+                      slot_is_live, warp_reduce_many)
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
-                        folded_state_scale, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        write_state_scales)
+                        folded_state_scale, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
+                        store_copies, write_state_scales)
 from .common import gdn_gates, normalize_qk
 from .config import GDNConfig, GDNShape
 
@@ -296,6 +296,8 @@ class GDNDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
+        prefetch_entry_rows(copies, mCheckpoint, mRead, mSlot, row, vhead, ptile * R, R, s.pad_slot_id)
+        after_previous_kernel()
         slot = mSlot[row]
         h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)

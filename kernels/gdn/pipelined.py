@@ -46,7 +46,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import make_row_tma, pow2_at_least, slot_is_live, slot_rows, smem_fit, warp_reduce_many
+from ..common import (after_previous_kernel, launch, load_past_l1, make_row_tma, pow2_at_least, prefetch_l2,
+                      slot_is_live, slot_rows, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
@@ -207,16 +208,10 @@ class GDNPipelinedDecode:
         s, c = self.shape, self.config
         HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
         tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, HV * V, K), c.rows_per_item, K)
-        self.kernel(
+        launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mPlan),
-        ).launch(
-            grid=[c.ctas, 1, 1],
-            block=[32 * (1 + c.consumer_warps()), 1, 1],
-            smem=c.smem_bytes(s),
-            stream=stream,
-            preferred_smem_carveout=100,
-        )
+        ), [c.ctas, 1, 1], [32 * (1 + c.consumer_warps()), 1, 1], stream, c.smem_bytes(s))
 
     @cute.kernel
     def kernel(
@@ -274,6 +269,16 @@ class GDNPipelinedDecode:
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
         full, empty = stage_barriers(smem, ST, CW)
+
+        # While the previous kernel finishes: lane u of the producer asks L2 for the state rows of
+        # the CTA's item u (by a slot id that may still change: only a prefetch depends on it).
+        if (warp == 0) & (lane < PF):
+            item = bid + lane * grid
+            if item < total:
+                slot = load_past_l1(mSlot, item // (HV * parts))
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    prefetch_l2(mCheckpoint[Int64(slot), (item // parts) % HV, (item % parts) * R, None], state_bytes)
+        after_previous_kernel()
 
         if warp == 0:
             # ------------------------------------------------------------ producer

@@ -37,8 +37,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, cdiv, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
-                      snapshot_check, start_tile_loads, warp_reduce_many)
+from ..common import (DraftStepKernel, after_previous_kernel, cdiv, launch_tiles, make_row_tma, slot_is_live, slot_rows,
+                      smem_fit, snapshot_check, start_tile_loads, warp_reduce_many)
 from .common import gdn_gates, normalize_qk
 from .config import GDNConfig, GDNShape
 
@@ -87,6 +87,7 @@ class GDNSnapshot(DraftStepKernel):
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
+        after_previous_kernel()
         slot = mSlot[row]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
         if valid:

@@ -56,11 +56,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (clear_stale_record, launch_tiles, planned_positions, slot_is_live, softplus, warp_reduce_many,
-                      warp_sum)
+from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, slot_is_live,
+                      softplus, warp_reduce_many, warp_sum)
 from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_dots_error,
-                        mma_row_dots, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        write_state_scales)
+                        mma_row_dots, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
+                        store_copies, write_state_scales)
 from .config import Mamba2Config, Mamba2Shape
 
 
@@ -161,6 +161,8 @@ class Mamba2Decode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
+        prefetch_entry_rows(copies, mCheckpoint, mRead, mSlot, row, head, ptile * R, R, s.pad_slot_id)
+        after_previous_kernel()
         slot = mSlot[row]
         h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)

@@ -60,12 +60,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (fold_cols, fold_into_checkpoint, pow2_at_least, slot_is_live, smem_fit, softplus,
-                      warp_reduce_many, warp_sum)
+from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, launch, load_past_l1, pow2_at_least,
+                      prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
-                        copy_records_async, copy_rows_async, flat, pipeline_check, prefetch_l2, producer_prefetch,
+                        copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch,
                         publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_dots_error,
                         mma_row_dots, smem_scale, store_copies, warps_state_scale)
@@ -310,18 +310,11 @@ class Mamba2PipelinedDecode:
         tma_ckpt, mCkptTma = tma_state, mStateTma
         if cutlass.const_expr(c.flush_tile):  # a flushing item's checkpoint tile
             tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, s.dstate, H * P, P)
-        self.kernel(
+        launch(self.kernel(
             tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias),
             mSlot, mOut,
             Mamba2Ring(mRingX, mRingB, mRingDt, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
-        ).launch(
-            grid=[c.ctas, 1, 1],
-            block=[32 * c.warps(s), 1, 1],
-            smem=c.smem_bytes(s),
-            stream=stream,
-            min_blocks_per_mp=c.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-        )
+        ), [c.ctas, 1, 1], [32 * c.warps(s), 1, 1], stream, c.smem_bytes(s), c.min_ctas_per_sm)
 
     @cute.kernel
     def kernel(
@@ -392,6 +385,18 @@ class Mamba2PipelinedDecode:
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
         full, empty = stage_barriers(smem, ST, CW)
+
+        # While the previous kernel finishes: lane u of the producer asks L2 for the state tile
+        # (the entry copy) of the CTA's item u (by a slot id that may still change: only a
+        # prefetch depends on it).
+        if (warp == 0) & (lane < PF):
+            item = bid + lane * grid
+            if item < total:
+                slot = load_past_l1(mSlot, item // H)
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    entry = copy.mData if copies.separate else mCheckpoint
+                    prefetch_l2(entry[Int64(slot), item % H, None, None], box_bytes)
+        after_previous_kernel()
 
         if warp == 0:
             # ------------------------------------------------------------ producer

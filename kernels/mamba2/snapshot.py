@@ -31,8 +31,8 @@ from cutlass import Float32, Int32, Int64
 
 from cutlass.memory import SmemAllocator
 
-from ..common import (DraftStepKernel, launch_tiles, make_row_tma, slot_is_live, slot_rows, smem_fit,
-                      snapshot_check, softplus, start_tile_loads, warp_reduce_many)
+from ..common import (DraftStepKernel, after_previous_kernel, launch_tiles, make_row_tma, slot_is_live, slot_rows,
+                      smem_fit, snapshot_check, softplus, start_tile_loads, warp_reduce_many)
 from .config import Mamba2Config, Mamba2Shape
 
 
@@ -78,6 +78,7 @@ class Mamba2Snapshot(DraftStepKernel):
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
+        after_previous_kernel()
         slot = mSlot[row]
         valid = slot_is_live(slot, mCheckpoint.shape[0], s.pad_slot_id)
         if valid:

@@ -59,9 +59,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, cdiv, clear_stale_record, fold_cols, launch_tiles,
-                      load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up, rows_times_columns,
-                      slot_is_live, smem_fit, softplus, verify_check)
+from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
+                      launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
+                      rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .config import Mamba2Config, Mamba2Shape
@@ -171,6 +171,7 @@ class Mamba2Verify(DraftStepKernel):
         ptile, head, row = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
+        after_previous_kernel()
         g4 = lane // 4  # fragment row group
         c4 = lane % 4  # fragment column in the group
 

@@ -197,6 +197,27 @@ def test_ptx_streams_the_state_with_tma(build):
         assert ("cp.async.bulk.tensor" in f.read_text()) == ("_plan_" not in f.name), f.name
 
 
+# Programmatic dependent launch: before griddepcontrol.wait a kernel may only read a slot id past
+# L1 (ld.global.cg) and prefetch into L2; every other global load, TMA load and store comes after.
+_WAIT = "griddepcontrol.wait"
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld\.global|st\.global|cp\.async|red\.|atom\.)")
+_BEFORE_WAIT_ALLOWED = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global\.cg\.b32|cp\.async\.bulk\.prefetch\.L2)")
+
+
+def _check_programmatic_launch(name: str, ptx: str):
+    lines = ptx.splitlines()
+    waits = [i for i, ln in enumerate(lines) if _WAIT in ln]
+    assert len(waits) == 1, (name, f"{len(waits)} {_WAIT}")
+    assert sum("griddepcontrol.launch_dependents" in ln for ln in lines[waits[0]:]) == 1, name
+    early = [ln.strip() for ln in lines[:waits[0]] if _GLOBAL_ACCESS.search(ln) and not _BEFORE_WAIT_ALLOWED.match(ln)]
+    assert not early, (name, early[:5])
+
+
+def test_ptx_waits_for_the_previous_kernel_before_touching_its_data(build):
+    for f in _ptx_files(build):
+        _check_programmatic_launch(f.name, f.read_text())
+
+
 def test_ptx_declares_no_local_memory(build):
     for f in _ptx_files(build):
         hits = [ln.strip() for ln in f.read_text().splitlines() if re.search(r"\.local\b", ln)]
@@ -391,6 +412,11 @@ def test_verify_ptx_streams_the_checkpoint_with_tma(draft_build):
         kinds.add(kind)
         assert tma == (kind != "table"), (label, tma)
     assert kinds == ({"decode", "verify", "table"} if draft_build.decode_models else {"verify", "table"})
+
+
+def test_draft_ptx_waits_for_the_previous_kernel_before_touching_its_data(draft_build):
+    for _, (label, _, path, _) in draft_build.kernels():
+        _check_programmatic_launch(label, Path(path).read_text())
 
 
 def test_draft_ptx_declares_no_local_memory(draft_build):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import replayssm_cute
+from replayssm_cute.kernels.limits import PDL_ENV
 from replayssm_cute.runtime import compile_cache as cc
 
 
@@ -22,6 +23,7 @@ def _isolated_cache(tmp_path, monkeypatch):
     """Each test gets an empty disk cache, an empty memory cache and fresh warnings."""
     monkeypatch.setenv(cc.ENV_CACHE_DIR, str(tmp_path / "cache"))
     monkeypatch.delenv(cc.ENV_DISK_CACHE, raising=False)
+    monkeypatch.delenv(PDL_ENV, raising=False)
     if not torch.cuda.is_available():
         monkeypatch.setenv(cc.ENV_ARCH, os.environ.get(cc.ENV_ARCH) or "sm_90a")
     monkeypatch.setattr(cc, "_warned", set())
@@ -97,6 +99,12 @@ def test_every_key_component_changes_the_file_name(monkeypatch):
             m.setattr(cc, attr, lambda value=value: value)
             changed = cc.cache_path("mamba2_decode", KEY)
         assert changed.name != base.name, attr
+    assert cc.cache_path("mamba2_decode", KEY) == base
+    with monkeypatch.context() as m:  # the launch is compiled into the host code
+        m.setenv(PDL_ENV, "0")
+        assert cc.launch_mode() == "plain"
+        assert cc.cache_path("mamba2_decode", KEY) != base
+    assert cc.launch_mode() == "programmatic"
     assert cc.cache_path("mamba2_decode", KEY) == base
 
 
@@ -192,8 +200,13 @@ def test_memory_hit_returns_same_object_without_building(monkeypatch):
     n2 = cc.get_compiled("k", (("n", 1.0),), build)  # also inside nested tuples
     assert n1 is not n2 and build.calls == 4
     assert cc.get_compiled("other", (1, "x"), build) is not a and build.calls == 5
+    monkeypatch.setenv(PDL_ENV, "0")  # another launch mode: another compiled function
+    plain = cc.get_compiled("k", (1, "x"), build)
+    assert plain is not a and build.calls == 6
+    monkeypatch.delenv(PDL_ENV)
+    assert cc.get_compiled("k", (1, "x"), build) is a and build.calls == 6
     cc.clear_memory_cache()
-    assert cc.get_compiled("k", (1, "x"), build) is not a and build.calls == 6
+    assert cc.get_compiled("k", (1, "x"), build) is not a and build.calls == 7
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off"])

@@ -8,7 +8,8 @@ compiles from fake tensors with `options=compile_options()` and returns the TVM-
 Disk entries are `<name>-<sha256>.o` under `$REPLAYSSM_CUTE_CACHE_DIR` (default
 `~/.cache/replayssm_cute`), written by the compiled function's `export_to_c` and read back with
 `cute.runtime.load_module(path, enable_tvm_ffi=True)`. The hash covers the caller's key, the target
-arch, this package's version, the CuTe DSL version and the text of every `.py` file under
+arch, the launch mode (programmatic or plain, `$REPLAYSSM_CUTE_PDL`: the launch is part of the
+compiled host code), this package's version, the CuTe DSL version and the text of every `.py` file under
 `replayssm_cute/kernels`, so an edited kernel never loads a stale binary; all but the layers'
 `defaults.py` (the analytical launch-config choices: no kernel module imports them, and the
 config chosen is in the key), so that a change of a default keeps every compiled kernel. Files
@@ -43,6 +44,8 @@ import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
+
+from ..kernels.limits import programmatic_launch
 
 ENV_CACHE_DIR = "REPLAYSSM_CUTE_CACHE_DIR"
 ENV_DISK_CACHE = "REPLAYSSM_CUTE_DISK_CACHE"
@@ -121,6 +124,12 @@ def compile_only_mode() -> bool:
     about, since nothing is lost: the entry is rebuilt and re-exported.
     """
     return not _cuda_available()
+
+
+def launch_mode() -> str:
+    """How the kernels compiled now launch: "programmatic" (the default) or "plain"
+    (``REPLAYSSM_CUTE_PDL=0``)."""
+    return "programmatic" if programmatic_launch() else "plain"
 
 
 def compile_options(*extra: str) -> str:
@@ -228,6 +237,7 @@ def full_key(name: str, key: tuple) -> tuple:
         name,
         _canon(key),
         target_arch(),
+        launch_mode(),
         _package_version(),
         cutlass_version(),
         kernel_source_hash(),
@@ -275,7 +285,7 @@ def clear_memory_cache() -> None:
 def get_compiled(name: str, key: tuple, build: Callable[[], object]) -> object:
     """The compiled function for (name, key): from memory, else disk, else `build()`.
 
-    The memory layer is keyed by (name, key, the key's element types) and assumes the target
+    The memory layer is keyed by (name, key, the key's element types, the launch mode) and assumes the target
     arch stays fixed for the process; after changing `$CUTE_DSL_ARCH` mid-process (say, in a
     precompile loop over archs), call `clear_memory_cache()`.
     """
@@ -285,7 +295,7 @@ def get_compiled(name: str, key: tuple, build: Callable[[], object]) -> object:
     sig = tuple(map(type, key))
     if tuple in sig:
         sig = _type_sig(key)
-    mkey = (name, key, sig)
+    mkey = (name, key, sig, launch_mode())
     try:
         fn = _memory.get(mkey)
     except TypeError:  # unhashable: say what keys may hold

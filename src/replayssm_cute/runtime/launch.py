@@ -66,7 +66,7 @@ def launcher(kernel: Kernel, shape, num_drafts: int, batch: int, config=None):
     """The callable that launches `kernel` on `shape` with T = `num_drafts` for `batch` rows:
     with `config`, that one, else the pick of ``picked_config``; checked (errors name the op and
     the argument at fault: 'config' when given, else 'cache'), then compiled. Memoised."""
-    key = (kernel, shape, num_drafts, batch_bucket(batch), config)
+    key = (kernel, shape, num_drafts, batch_bucket(batch), config, compile_cache.launch_mode())
     fn = _launchers.get(key)
     if fn is None:
         cfg = config if config is not None else picked_config(kernel, shape, batch, num_drafts)[0]
@@ -81,7 +81,7 @@ def launcher(kernel: Kernel, shape, num_drafts: int, batch: int, config=None):
 def table_launcher(kind: str, window: int, capacity: int, num_drafts: int, pad_slot_id: int):
     """The callable of a sequence-table kernel (kernels/table.py), memoised: ``kind`` "plan"
     (TablePlan; num_drafts 0 for standard decode) or "commit" (TableCommit)."""
-    key = ("table", kind, window, capacity, num_drafts, pad_slot_id)
+    key = ("table", kind, window, capacity, num_drafts, pad_slot_id, compile_cache.launch_mode())
     fn = _launchers.get(key)
     if fn is None:
         from ..kernels.table import TableShape, compile_commit, compile_plan
