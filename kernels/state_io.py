@@ -46,6 +46,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import (f32_asm, fold_into_checkpoint, load_past_l1, make_padded_row_tma, make_row_tma, mma_f16,
                      prefetch_l2, ptx_op, ptx_ops, slot_is_live, slot_rows, start_tile_loads)
+from .limits import programmatic_launch
 from .quant import E2M1, E4M3, F16, Minifloat, f32_bits, fmix32, round_to_code
 
 FORMATS = ("fp32", "fp16", "fp8", "nvfp4")
@@ -654,15 +655,17 @@ def copy_rows_tma(m: cute.Tensor, cols: int, rows_per_slot: int, box_rows: int):
 def prefetch_entry_rows(copies: cutlass.Constexpr[StateCopies], mCheckpoint: cute.Tensor, mRead, mSlot: cute.Tensor,
                         row: Int32, head: Int32, first_row: Int32, rows: cutlass.Constexpr[int],
                         pad_slot_id: cutlass.Constexpr[int]):
-    """Before ``after_previous_kernel``: thread 0 asks L2 for a tile kernel's entry rows (the read
-    copy, else the checkpoint; ``rows`` of them from ``first_row`` of the head), by a slot id that
-    a previous kernel may still change (only this prefetch depends on it)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx == 0:
-        entry = mRead if copies.separate else mCheckpoint
-        slot = load_past_l1(mSlot, row)
-        if slot_is_live(slot, entry.shape[0], pad_slot_id):
-            prefetch_l2(entry[Int64(slot), head, first_row, None], rows * copies.entry.row_bytes)
+    """Before ``after_previous_kernel`` of a programmatic launch: thread 0 asks L2 for a tile
+    kernel's entry rows (the read copy, else the checkpoint; ``rows`` of them from ``first_row`` of
+    the head), by a slot id that a previous kernel may still change (only this prefetch depends on
+    it). A plain launch has nothing to overlap, and the prefetch would only delay the loads."""
+    if cutlass.const_expr(programmatic_launch()):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            entry = mRead if copies.separate else mCheckpoint
+            slot = load_past_l1(mSlot, row)
+            if slot_is_live(slot, entry.shape[0], pad_slot_id):
+                prefetch_l2(entry[Int64(slot), head, first_row, None], rows * copies.entry.row_bytes)
 
 
 def entry_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per_slot: int, box_rows: int):

@@ -49,7 +49,7 @@ from cutlass.memory import SmemAllocator
 from ..common import (after_previous_kernel, launch, load_past_l1, make_row_tma, pow2_at_least, prefetch_l2,
                       slot_is_live, slot_rows, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
-from ..limits import MAX_CAPACITY
+from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
                         producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
                         stages_smem_bytes, wait_stage)
@@ -272,12 +272,14 @@ class GDNPipelinedDecode:
 
         # While the previous kernel finishes: lane u of the producer asks L2 for the state rows of
         # the CTA's item u (by a slot id that may still change: only a prefetch depends on it).
-        if (warp == 0) & (lane < PF):
-            item = bid + lane * grid
-            if item < total:
-                slot = load_past_l1(mSlot, item // (HV * parts))
-                if slot_is_live(slot, num_slots, s.pad_slot_id):
-                    prefetch_l2(mCheckpoint[Int64(slot), (item // parts) % HV, (item % parts) * R, None], state_bytes)
+        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
+            if (warp == 0) & (lane < PF):
+                item = bid + lane * grid
+                if item < total:
+                    slot = load_past_l1(mSlot, item // (HV * parts))
+                    if slot_is_live(slot, num_slots, s.pad_slot_id):
+                        prefetch_l2(mCheckpoint[Int64(slot), (item // parts) % HV, (item % parts) * R, None],
+                                    state_bytes)
         after_previous_kernel()
 
         if warp == 0:

@@ -63,7 +63,7 @@ from cutlass.memory import SmemAllocator
 from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, launch, load_past_l1, pow2_at_least,
                       prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
-from ..limits import MAX_CAPACITY
+from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
                         copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch,
                         publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
@@ -389,13 +389,14 @@ class Mamba2PipelinedDecode:
         # While the previous kernel finishes: lane u of the producer asks L2 for the state tile
         # (the entry copy) of the CTA's item u (by a slot id that may still change: only a
         # prefetch depends on it).
-        if (warp == 0) & (lane < PF):
-            item = bid + lane * grid
-            if item < total:
-                slot = load_past_l1(mSlot, item // H)
-                if slot_is_live(slot, num_slots, s.pad_slot_id):
-                    entry = copy.mData if copies.separate else mCheckpoint
-                    prefetch_l2(entry[Int64(slot), item % H, None, None], box_bytes)
+        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
+            if (warp == 0) & (lane < PF):
+                item = bid + lane * grid
+                if item < total:
+                    slot = load_past_l1(mSlot, item // H)
+                    if slot_is_live(slot, num_slots, s.pad_slot_id):
+                        entry = copy.mData if copies.separate else mCheckpoint
+                        prefetch_l2(entry[Int64(slot), item % H, None, None], box_bytes)
         after_previous_kernel()
 
         if warp == 0:
