@@ -1,5 +1,5 @@
-"""Limits the kernels build in, shared with the host checks (no cutlass import, so the host
-can read them without loading the DSL)."""
+"""Limits the kernels build in and how they launch, shared with the host (no cutlass import, so
+the host can read them without loading the DSL)."""
 
 import os
 
