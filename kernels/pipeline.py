@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from .common import SMEM_PER_CTA
@@ -25,6 +25,7 @@ PREFETCH_BY_ARCH = {"sm_90a": 4}
 PREFETCH_OTHER = 2
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
 CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
+READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 read copy's state scale
 
 
 class ReadCopy(NamedTuple):
@@ -190,3 +191,20 @@ def copy_records_async(atom: cute.CopyAtom, gRecords: cute.Tensor, sRecords: cut
 def flat(t: cute.Tensor, count: int) -> cute.Tensor:
     """The ``count`` contiguous elements from ``t``'s first one as a (1, count) row (``copy_rows_async``)."""
     return cute.make_tensor(t.iterator, cute.make_layout((1, count), stride=(0, 1)))
+
+
+@cute.jit
+def copy_read_scales_async(read: cutlass.Constexpr, copy: ReadCopy, slot64: Int64, head: Int32, box: Int32,
+                           rows: cutlass.Constexpr[int], sScale, sMetaF: cute.Tensor, stage: Int32):
+    """Producer, an item whose stage holds read-copy rows (box ``box`` of ``rows`` rows of the
+    head): their block scales into ``sScale[None, None, stage]`` and nvfp4's state scale into
+    ``sMetaF[READ_STATE_SCALE, stage]``, by cp.async (4 bytes a copy)."""
+    if cutlass.const_expr(read.scale_dtype is not None):
+        count = rows * read.scales_per_row
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), read.scale_dtype, num_bits_per_copy=32)
+        gScale = cute.local_tile(copy.mScale[slot64, head, None, None], (rows, read.scales_per_row), (box, 0))
+        copy_rows_async(atom, flat(gScale, count), flat(sScale[None, None, stage], count), 32 // read.scale_dtype.width)
+    if cutlass.const_expr(read.has_state_scale):
+        copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        copy_rows_async(copy4, flat(cute.local_tile(copy.mStateScale[slot64, None], (1,), (head,)), 1),
+                        flat(cute.local_tile(sMetaF[None, stage], (1,), (READ_STATE_SCALE,)), 1), 1)

@@ -84,16 +84,15 @@ def ring_sums(sCoef: cute.Tensor, rU: cute.Tensor, origin: Int32, h: Int32, cap:
 
 
 @cute.jit
-def _key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, warps: cutlass.Constexpr[int], cap: cutlass.Constexpr[int],
-              vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
+def key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, worker: Int32, workers: cutlass.Constexpr[int],
+             cap: cutlass.Constexpr[int], vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
     """sGram[p, q] = k_p . k_q for every pair of ring positions, 32 pairs per warp pass, split
-    over the CTA's warps."""
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    over ``workers`` warps (this one is number ``worker``)."""
     lane = cute.arch.lane_idx()
     n_pairs = cap * cap
     n_batch = (n_pairs + 31) // 32
-    for bb in cutlass.range_constexpr((n_batch + warps - 1) // warps):
-        b = bb * warps + warp
+    for bb in cutlass.range_constexpr((n_batch + workers - 1) // workers):
+        b = bb * workers + worker
         if b < n_batch:
             rPart = cute.make_rmem_tensor((32,), Float32)
             for t in cutlass.range_constexpr(32):
@@ -114,9 +113,8 @@ def _key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, warps: cutlass.Constexpr[i
 @cute.jit
 def row_key_dots(rS: cute.Tensor, sKeys: cute.Tensor, sSk: cute.Tensor, r: Int32, cap: cutlass.Constexpr[int],
                  vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
-    """sSk[p, r, warp] = S_ckpt[row r] . k_p for every position p (``rS``: the lane's slice of the
-    checkpoint row)."""
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    """sSk[p, r] = S_ckpt[row r] . k_p for every position p (``rS``: the lane's slice of the
+    checkpoint row; ``sSk`` the calling warp's (cap, rows))."""
     lane = cute.arch.lane_idx()
     n_pos = pow2_at_least(cap)
     rDots = cute.make_rmem_tensor((n_pos,), Float32)
@@ -129,7 +127,7 @@ def row_key_dots(rS: cute.Tensor, sKeys: cute.Tensor, sSk: cute.Tensor, r: Int32
     s_k = warp_reduce_many(rDots, n_pos)  # lane l: position l >> (5 - log2 n_pos)
     p_lane = lane >> (5 - (n_pos.bit_length() - 1))
     if lane % (32 // n_pos) == 0 and p_lane < cap:
-        sSk[p_lane, r, warp] = s_k
+        sSk[p_lane, r] = s_k
 
 
 @cute.jit
@@ -138,59 +136,74 @@ def rederive_corrections(sKeys: cute.Tensor, sGram: cute.Tensor, sSk: cute.Tenso
                          slot64: Int64, vhead: Int32, i_row: Int32, origin: Int32, h: Int32,
                          rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int], cap: cutlass.Constexpr[int],
                          vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
-    """A flush's corrections from the recurrence checkpoint (paper Algorithm 6): for the records
-    j = 0 .. h-1 in order, ``u_j = beta_j (v_j - alpha_j S_{j-1} k_j)`` with
-    ``alpha_j S_{j-1} k_j = e^{P_j} (S_ckpt k_j) + sum_{i<j} e^{P_j - P_i} (k_i . k_j) u_i`` (P the
-    prefix sums of g), replacing the cached ones in ``rU`` (this lane's row, by ring position), so
-    that read-copy rounding never enters the recurrence. ``sSk`` holds S_ckpt k_p of the warp's rows
-    (``row_key_dots``); every thread of the CTA calls it (the keys' Gram matrix is shared)."""
+    """A flush's corrections from the recurrence checkpoint (``forward_substitution``) in a kernel
+    whose CTA holds one item: the records' v and beta from global memory, the keys' Gram matrix
+    split over the CTA's warps. ``sSk`` holds S_ckpt k_p of every warp's rows (``row_key_dots``);
+    every thread of the CTA calls it."""
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
     lr = lane % rows
     # v of this lane's row at every position, all loads in flight at once, staged by position.
     for p in cutlass.range_constexpr(cap):
         sV[p, lr, warp] = mRingV[slot64, p, vhead, i_row].to(Float32)
-    _key_gram(sKeys, sGram, warps, cap, vec, act)
+    key_gram(sKeys, sGram, warp, warps, cap, vec, act)
     cute.arch.sync_threads()  # the Gram matrix of every warp, this warp's S_ckpt k_p
+    beta_lane = Float32(0.0)
+    if lane < h:
+        beta_lane = mRingBeta[slot64, (origin + lane) % cap, vhead]
+    forward_substitution(sGram, sSk[None, None, warp], sV[None, None, warp], sUre[None, None, warp], beta_lane, rU,
+                         g_j, origin, h, rows, cap)
 
+
+@cute.jit
+def forward_substitution(sGram: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor, sUre: cute.Tensor, beta_lane: Float32,
+                         rU: cute.Tensor, g_j: Float32, origin: Int32, h: Int32, rows: cutlass.Constexpr[int],
+                         cap: cutlass.Constexpr[int]):
+    """Paper Algorithm 6 for this lane's row (lane mod ``rows`` of the warp's): for the records
+    j = 0 .. h-1 in order, ``u_j = beta_j (v_j - alpha_j S_{j-1} k_j)`` with
+    ``alpha_j S_{j-1} k_j = e^{P_j} (S_ckpt k_j) + sum_{i<j} e^{P_j - P_i} (k_i . k_j) u_i`` (P the
+    prefix sums of g), replacing the cached ones in ``rU`` (by ring position; zero at stale
+    positions), so that read-copy rounding never enters the recurrence. The warp's (cap, rows) tensors by ring position:
+    ``sSk`` S_ckpt k_p, ``sV`` the records' v (any dtype; zero where stale), ``sUre`` scratch;
+    ``sGram`` the keys' Gram matrix; lane j: ``g_j`` and ``beta_lane`` of record j."""
+    lane = cute.arch.lane_idx()
+    lr = lane % rows
     # Record scalars by record index, in every lane's registers: P_j (inclusive prefix of g), beta_j.
     prefix = g_j
     for t in cutlass.range_constexpr(5):
         other = cute.arch.shuffle_sync_up(prefix, 1 << t)
         if lane >= (1 << t):
             prefix = prefix + other
-    beta_lane = Float32(0.0)
-    if lane < h:
-        beta_lane = mRingBeta[slot64, (origin + lane) % cap, vhead]
     alpha_lane = cute.math.exp(g_j, fastmath=False)
     rPre = cute.make_rmem_tensor((cap,), Float32)
     rBeta = cute.make_rmem_tensor((cap,), Float32)
-    rAlpha = cute.make_rmem_tensor((cap,), Float32)
     rPos = cute.make_rmem_tensor((cap,), Int32)  # ring position of record j
     for j in cutlass.range_constexpr(cap):
         rPre[j] = cute.arch.shuffle_sync(prefix, j)
         rBeta[j] = cute.arch.shuffle_sync(beta_lane, j)
-        rAlpha[j] = cute.arch.shuffle_sync(alpha_lane, j)
         rPos[j] = cutlass.select_(origin + j >= cap, origin + j - cap, origin + j)
 
     # Forward substitution along the records for this lane's row; e^{P_j - P_i} as the product of
-    # the decays alpha_{i+1} .. alpha_j, accumulated from i = j - 1 down (no exp per pair).
-    rUrec = cute.make_rmem_tensor((cap,), Float32)
-    rUrec.fill(0.0)
+    # the decays alpha_{i+1} .. alpha_j, accumulated from i = j - 1 down (no exp per pair). The
+    # inner loop stays rolled (u_i from sUre, which this lane wrote): unrolled, its cap^2 / 2
+    # bodies overflowed the instruction cache (Nsight Compute: half the flush's stall cycles
+    # were instruction fetch).
     for j in cutlass.range_constexpr(cap):
         if j < h:
             p = rPos[j]
-            acc = cute.math.exp(rPre[j], fastmath=False) * sSk[p, lr, warp]
-            decay = Float32(1.0)
-            for ii in cutlass.range_constexpr(j):
-                i = j - 1 - ii
-                decay = decay * rAlpha[i + 1]
-                acc = acc + decay * sGram[rPos[i], p] * rUrec[i]
-            rUrec[j] = rBeta[j] * (sV[p, lr, warp] - acc)
-            sUre[j, lr, warp] = rUrec[j]
+            acc = cute.math.exp(rPre[j], fastmath=False) * sSk[p, lr]
+            if cutlass.const_expr(j > 0):
+                decay = Float32(1.0)
+                for ii in cutlass.range(j, unroll=1):
+                    i = j - 1 - ii
+                    decay = decay * cute.arch.shuffle_sync(alpha_lane, i + 1)
+                    p_i = cutlass.select_(origin + i >= cap, origin + i - cap, origin + i)
+                    acc = acc + decay * sGram[p_i, p] * sUre[i, lr]
+            sUre[j, lr] = rBeta[j] * (sV[p, lr].to(Float32) - acc)
     cute.arch.sync_warp()
     for p in cutlass.range_constexpr(cap):
-        rU[p] = sUre[(p - origin + cap) % cap, lr, warp]
+        j = (p - origin + cap) % cap
+        rU[p] = cutlass.select_(j < h, sUre[j, lr], Float32(0.0))  # zero where stale: never a NaN's product
 
 
 class GDNDecode:
@@ -444,7 +457,7 @@ class GDNDecode:
                     for r in cutlass.range(RW, unroll=1):
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                        row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+                        row_key_dots(rS, sKeys, sSk[None, None, warp], r, cap, vec, act)
 
             # One pass over the state tile: S k and S q for each of the warp's rows (the read copy
             # on a non-flush step, the checkpoint on a flush; with a light tile a flush takes the
@@ -459,7 +472,7 @@ class GDNDecode:
                             checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
                                            sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
                             if cutlass.const_expr(rederive):
-                                row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+                                row_key_dots(rS, sKeys, sSk[None, None, warp], r, cap, vec, act)
                         else:
                             scale = smem_scale(entry_fmt, sEntryScale, warp, r, lane * vec, entry_state_scale)
                             decode_slice(entry_fmt, cute.local_tile(sEntry[r, None, warp], (entry_fmt.per_lane(vec),),

@@ -1,4 +1,5 @@
-"""Gated DeltaNet decode step on a persistent, warp-specialised pipeline (fp32 checkpoint).
+"""Gated DeltaNet decode step on a persistent, warp-specialised pipeline (fp32 checkpoint, with
+or without a read copy).
 
 Same step as ``kernels/gdn/decode.py`` (ReplaySSM standard decoding, Algorithm 4; window 1 is
 the conventional fused step), with the residency of ``kernels/mamba2/pipelined.py``: a fixed grid
@@ -17,9 +18,18 @@ of CTAs loops over work items, one per (batch row, value head, half of the head'
   (k_p . k, k_p . q) are the same for every row: the consumer warps split the positions between
   them, store the weighted dots in the stage and meet at a named barrier before reading them all.
 
+Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's box is its rows
+of the read copy (block scales and nvfp4's state scale by cp.async), decoded row by row on CUDA
+cores; a flushing item's stage holds no box: the producer prefetches its checkpoint rows into
+L2, and each consumer warp loads its rows into registers, dots them, folds them and stores both
+copies (RTN; nvfp4's state scale reduced over the consumer warps, whole heads per item). Where the
+cache re-derives a flush's corrections (``flush_corrections="rederive"``), a flushing item's stage
+also holds the records' v and beta, the consumer warps split the keys' Gram matrix between them,
+and each warp runs the forward substitution of its rows (``decode.forward_substitution``) from
+its S_ckpt k_p; with ``keep_v_beta`` a non-flushing item appends v and beta too.
+
 Tensor contract: as ``kernels/gdn/decode.py`` (same arguments, same order), restricted to an
-fp32 checkpoint without read copy, without the two-precision records (ring_v, ring_beta) and
-without re-derivation (``GDNPipeConfig.check``); those arguments are None.
+fp32 checkpoint (``GDNPipeConfig.check``): the checkpoint scales and the SR seed are None.
 
 | name        | shape             | dtype    | access | meaning                                     |
 |-------------|-------------------|----------|--------|---------------------------------------------|
@@ -31,10 +41,12 @@ without re-derivation (``GDNPipeConfig.check``); those arguments are None.
 | slot_ids    | (b,)              | int32    | R      | pool slot per row; pad / out-of-range rows skip |
 | out         | (b, HV, V)        | act      | W      | o (pad rows left untouched)                 |
 | ring_u / ring_k / ring_g | (S, cap, HV, V) / (S, cap, H, K) / (S, cap, HV) | fp16 / act / fp32 | R / W | records (L > 1) |
+| ring_v / ring_beta | (S, cap, HV, V) / (S, cap, HV) | act / fp32 | W; R at a re-deriving flush | keep_v_beta |
 | plan        | (b, 4)            | int32    | R      | (slot, h, origin, sr_writes) (L > 1)         |
+| read / read_scale / read_state_scale | state_io's table | fp16 / fp8 / nvfp4 | R / W on flush | read copy (optional) |
 
-The kernel takes this token's tensors as a ``GDNToken`` and the records with the plan as a
-``GDNRing``.
+The kernel takes this token's tensors as a ``GDNToken``, the records with the plan as a
+``GDNRing`` and the read copy as a ``ReadCopy``.
 """
 
 from dataclasses import dataclass
@@ -42,19 +54,21 @@ from typing import List, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, launch, load_past_l1, make_row_tma, pow2_at_least, prefetch_l2,
-                      slot_is_live, slot_rows, smem_fit, warp_reduce_many)
+from ..common import (after_previous_kernel, launch, load_past_l1, pow2_at_least, prefetch_l2, slot_is_live, smem_fit,
+                      warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, acquire_stage, as_column, box_partition, copy_records_async, pipeline_check,
-                        producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
+                        copy_read_scales_async, copy_records_async, pipeline_check, producer_prefetch, publish_stage,
+                        release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..state_io import decode_slice, entry_tma, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
+from .decode import forward_substitution, key_gram, row_key_dots
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
@@ -73,11 +87,14 @@ class GDNToken(NamedTuple):
 
 
 class GDNRing(NamedTuple):
-    """The ring's records and the step's plan rows (all None at window 1)."""
+    """The ring's records and the step's plan rows (all None at window 1; v and beta only with
+    keep_v_beta)."""
 
     mRingU: Optional[cute.Tensor]
     mRingK: Optional[cute.Tensor]
     mRingG: Optional[cute.Tensor]
+    mRingV: Optional[cute.Tensor]
+    mRingBeta: Optional[cute.Tensor]
     mPlan: Optional[cute.Tensor]
 
 
@@ -101,21 +118,25 @@ class GDNPipeConfig:
     def stage_bytes(self, shape: GDNShape) -> int:
         R, K, cap = self.rows_per_item, shape.head_k_dim, shape.capacity
         act = shape.act_dtype.width // 8
+        entry = shape.copies.entry
+        box = R * entry.row_bytes + entry.scale_smem_bytes(R)  # the checkpoint's rows or the read copy's
         ring = (cap * R * 2 + cap * K * act + 2 * cap * 4) if shape.window > 1 else 0
-        return R * K * 4 + ring + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
+        rederive = (cap * R * act + 32 * 4 + cap * cap * 4) if shape.rederive else 0  # v, beta, the keys' Gram matrix
+        amax = 4 * self.consumer_warps() if shape.copies.whole_state else 0
+        return box + ring + rederive + amax + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
-        return stages_smem_bytes(self.stages, self.stage_bytes(shape))
+        # a re-deriving flush's per-warp S_ckpt k_p and re-derived u, by position and row (not staged)
+        scratch = 2 * shape.capacity * self.rows_per_item * 4 + 32 if shape.rederive else 0
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
-        if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
-            return "the pipelined decode takes an fp32 checkpoint without read copy"
-        if shape.keep_v_beta or shape.rederive:
-            return "the pipelined decode does not keep v and beta records nor re-derive corrections"
+        if shape.checkpoint_format != "fp32":
+            return "the pipelined decode takes an fp32 checkpoint (with or without a read copy)"
         if K % 16 or K > 256:
             return f"head_k_dim {K}: the kernel needs a multiple of 16 up to 256"
         if self.rows_per_warp not in ROWS_PER_WARP:
@@ -127,6 +148,15 @@ class GDNPipeConfig:
             return f"{self.consumer_warps()} consumer warps (rows_per_item / rows_per_warp): at most 16"
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
+        if shape.read_copy is not None:
+            reason = shape.copies.check(shape.k_vec, self.rows_per_item, V)
+            if reason is not None:
+                return reason
+        if shape.rederive:
+            if not (shape.keep_v_beta and shape.window > 1):
+                return "re-deriving corrections needs keep_v_beta and a window > 1"
+            if 32 * shape.k_vec != K:
+                return f"a re-deriving flush needs every lane to hold a slice of a key: K = 32 x {shape.k_vec}, not {K}"
         return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
 
 
@@ -206,11 +236,11 @@ class GDNPipelinedDecode:
         stream,
     ):
         s, c = self.shape, self.config
-        HV, V, K = s.num_v_heads, s.head_v_dim, s.head_k_dim
-        tma_state, mStateTma = make_row_tma(slot_rows(mCheckpoint, HV * V, K), c.rows_per_item, K)
+        HV, V = s.num_v_heads, s.head_v_dim
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.rows_per_item)
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
-            GDNRing(mRingU, mRingK, mRingG, mPlan),
+            GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
         ), [c.ctas, 1, 1], [32 * (1 + c.consumer_warps()), 1, 1], stream, c.smem_bytes(s))
 
     @cute.kernel
@@ -223,9 +253,10 @@ class GDNPipelinedDecode:
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
         records: GDNRing,
+        copy: ReadCopy,
     ):
         s, c = self.shape, self.config
-        mRingU, mRingK, mRingG, mPlan = records
+        mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
         ST = c.stages
         PF = c.prefetch
@@ -238,7 +269,11 @@ class GDNPipelinedDecode:
         rep = HV // H
         act = s.act_dtype
         ring = L > 1
-        state_bytes = R * K * 4
+        copies = s.copies
+        read = copies.read
+        entry = copies.entry
+        rederive = s.rederive
+        box_bytes = R * entry.row_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async
         k_per16 = 128 // act.width
 
@@ -250,18 +285,32 @@ class GDNPipelinedDecode:
         num_slots = mCheckpoint.shape[0]
         total = token.mV.shape[0] * HV * parts
 
-        # Shared memory, declared once: per stage the item's state rows, the ring records it
-        # reads, this token's q, k, v (fp32) and the item's scalars; a full and an empty
-        # mbarrier per stage.
+        # Shared memory, declared once: per stage the item's state rows (the fp32 checkpoint's, or
+        # the read copy's with their scales), the ring records it reads, this token's q, k, v
+        # (fp32) and the item's scalars; a full and an empty mbarrier per stage; with re-derived
+        # corrections the records' v and beta and the keys' Gram matrix per stage, and each consumer
+        # warp's S_ckpt k_p and re-derived u.
         smem = SmemAllocator()
-        sState = staged(smem, Float32, (R, K), ST, byte_alignment=128)
-        sRingU = None
-        sRingK = None
-        sRingDot = None
+        sState = staged(smem, entry.storage, (R, entry.cols), ST, byte_alignment=128)
+        sReadScale, sAmax = None, None
+        if cutlass.const_expr(read is not None and read.scale_dtype is not None):
+            sReadScale = staged(smem, read.scale_dtype, (R, read.scales_per_row), ST)
+        if cutlass.const_expr(copies.whole_state):
+            sAmax = staged(smem, Float32, (CW,), ST)
+        sRingU, sRingK, sRingDot = None, None, None
         if cutlass.const_expr(ring):
             sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
             sRingK = staged(smem, act, (cap, K), ST)
             sRingDot = staged(smem, Float32, (2, cap), ST)  # weighted k_p . k, k_p . q of live positions
+        sRingV, sRingBeta, sGram, sSk, sUre = None, None, None, None, None
+        if cutlass.const_expr(rederive):
+            sRingV = staged(smem, act, (cap, R), ST)
+            sRingBeta = staged(smem, Float32, (32,), ST)
+            sGram = staged(smem, Float32, (cap, cap), ST)
+            sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, CW), stride=(RW, 1, cap * RW)),
+                                       byte_alignment=16)
+            sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, CW), stride=(RW, 1, cap * RW)),
+                                        byte_alignment=16)
         sQ = staged(smem, Float32, (K,), ST)
         sK = staged(smem, Float32, (K,), ST)
         sV = staged(smem, Float32, (R,), ST)
@@ -270,21 +319,22 @@ class GDNPipelinedDecode:
         sMetaF = staged(smem, Float32, (META,), ST)
         full, empty = stage_barriers(smem, ST, CW)
 
-        # While the previous kernel finishes: lane u of the producer asks L2 for the state rows of
-        # the CTA's item u (by a slot id that may still change: only a prefetch depends on it).
+        # While the previous kernel finishes: lane u of the producer asks L2 for the entry rows (the
+        # read copy's, else the checkpoint's) of the CTA's item u (by a slot id that may still
+        # change: only a prefetch depends on it).
         if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
             if (warp == 0) & (lane < PF):
                 item = bid + lane * grid
                 if item < total:
                     slot = load_past_l1(mSlot, item // (HV * parts))
                     if slot_is_live(slot, num_slots, s.pad_slot_id):
-                        prefetch_l2(mCheckpoint[Int64(slot), (item // parts) % HV, (item % parts) * R, None],
-                                    state_bytes)
+                        mEntry = copy.mData if copies.separate else mCheckpoint
+                        prefetch_l2(mEntry[Int64(slot), (item // parts) % HV, (item % parts) * R, None], box_bytes)
         after_previous_kernel()
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState, (R, K))
+            t_s, t_g = box_partition(tma_state, mStateTma, sState, (R, entry.cols))
             copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
             copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
@@ -319,6 +369,10 @@ class GDNPipelinedDecode:
                         h = cute.arch.shuffle_sync(rInt[1], u)
                         origin = cute.arch.shuffle_sync(rInt[2], u)
                         live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                        flush_item = h + 1 >= L
+                        with_box = live
+                        if cutlass.const_expr(read is not None):
+                            with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
                         acquire_stage(empty, stage, phase)
                         for e in cutlass.range_constexpr(kq_per_lane):
                             col = e * 32 + lane
@@ -329,10 +383,10 @@ class GDNPipelinedDecode:
                             vr = e * 32 + lane
                             if vr < R:
                                 sV[vr, stage] = rV[u, e]
-                        if cutlass.const_expr(ring):
-                            if live:
+                        if live:
+                            slot64 = Int64(slot)
+                            if cutlass.const_expr(ring):
                                 # the live records only; stale positions as zeros
-                                slot64 = Int64(slot)
                                 copy_records_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R),
                                                                            (0, part)),
                                                    sRingU[None, None, stage], u_per16, origin, h)
@@ -341,6 +395,19 @@ class GDNPipelinedDecode:
                                 copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]),
                                                    as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1,
                                                    origin, h)
+                            if cutlass.const_expr(read is not None):
+                                if with_box:
+                                    copy_read_scales_async(read, copy, slot64, vhead, part, R, sReadScale, sMetaF, stage)
+                                elif lane == 0:  # a flush: its checkpoint rows into L2 for the consumers' loads
+                                    prefetch_l2(mCheckpoint[slot64, vhead, part * R, None], R * K * 4)
+                            if cutlass.const_expr(rederive):
+                                if flush_item:  # the records' v and beta
+                                    copy_records_async(copy_k, cute.local_tile(mRingV[slot64, None, vhead, None],
+                                                                               (cap, R), (0, part)),
+                                                       sRingV[None, None, stage], k_per16, origin, h)
+                                    copy_records_async(copy4, as_column(mRingBeta[slot64, None, vhead]),
+                                                       as_column(cute.local_tile(sRingBeta[None, stage], (cap,), (0,))),
+                                                       1, origin, h)
                         scalars_f = [cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)]
                         if lane == 0:
                             sMetaI[0, stage] = slot
@@ -348,7 +415,7 @@ class GDNPipelinedDecode:
                             sMetaI[2, stage] = origin
                             for k in cutlass.range_constexpr(4):
                                 sMetaF[k, stage] = scalars_f[k]
-                        publish_stage(full, stage, live, state_bytes, tma_state,
+                        publish_stage(full, stage, with_box, box_bytes, tma_state,
                                       t_g[None, (slot * HV + vhead) * parts + part], t_s[None, stage])
                 rQ.store(rQn.load())
                 rK.store(rKn.load())
@@ -411,12 +478,14 @@ class GDNPipelinedDecode:
                     w_j = cute.math.exp(tail - g_j, fastmath=False)
                     gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
-                    # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
-                    ring_k = Float32(0.0)
-                    ring_q = Float32(0.0)
+                    # This lane's row's u at every ring position (cached; a re-deriving flush
+                    # replaces them), and the key head's weighted ring dots: warp cw takes positions
+                    # cw, cw + CW, ... (a lane's value 2 i / 2 i + 1: k_p . k / k_p . q of its i-th
+                    # position); a re-deriving flush's warps also split the keys' Gram matrix.
+                    rU = cute.make_rmem_tensor((cap,), Float32)
                     if cutlass.const_expr(ring):
-                        # warp cw: the dots of positions cw, cw + CW, ... (a lane's value 2 i / 2 i + 1:
-                        # k_p . k / k_p . q of its i-th position)
+                        for p in cutlass.range_constexpr(cap):
+                            rU[p] = sRingU[p, r0 + lr, stage].to(Float32)
                         rDots = cute.make_rmem_tensor((n_dots,), Float32)
                         rDots.fill(0.0)
                         if lane < KL:
@@ -435,22 +504,73 @@ class GDNPipelinedDecode:
                         w_l = cute.arch.shuffle_sync(w_j, j_l)
                         if lane % (1 << dot_shift) == 0 and value < 2 * pos_per_warp and p_l < cap:
                             sRingDot[value % 2, p_l, stage] = cutlass.select_(j_l < h, w_l * dot, Float32(0.0))
+                        if cutlass.const_expr(rederive):
+                            if flush:
+                                key_gram(sRingK[None, None, stage], sGram[None, None, stage], cw, CW, cap, vec, act)
                         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
-                        for p in cutlass.range_constexpr(cap):
-                            u_p = sRingU[p, r0 + lr, stage].to(Float32)
-                            ring_k = ring_k + sRingDot[0, p, stage] * u_p
-                            ring_q = ring_q + sRingDot[1, p, stage] * u_p
 
-                    # S k and S q of the warp's rows (the checkpoint before this token).
+                    # S k and S q of the warp's rows (the checkpoint before this token): a flush
+                    # holds its fp32 rows in registers (from the stage, or from global memory next
+                    # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation.
                     rRows = cute.make_rmem_tensor((2 * RW,), Float32)
                     rRows.fill(0.0)
-                    if lane < KL:
+                    rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
+                    if flush:
+                        rAcc.fill(0.0)
+                        if lane < KL:  # lanes past K hold zeros (K < 32 vec)
+                            for r in cutlass.range_constexpr(RW):
+                                if cutlass.const_expr(read is None):
+                                    src = cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,))
+                                else:
+                                    src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,),
+                                                          (lane,))
+                                cute.autovec_copy(src, rAcc[r, None])
+                        for r in cutlass.range_constexpr(RW):
+                            for e in cutlass.range_constexpr(vec):
+                                rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
+                                rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
+                        if cutlass.const_expr(rederive):
+                            # a rolled loop over the rows (loaded again, from the stage or L2): unrolled,
+                            # the flush's code overflowed the instruction cache
+                            for r in cutlass.range(RW, unroll=1):
+                                rS = cute.make_rmem_tensor((vec,), Float32)
+                                if cutlass.const_expr(read is None):
+                                    cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                                else:
+                                    cute.autovec_copy(cute.local_tile(
+                                        mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,), (lane,)), rS)
+                                row_key_dots(rS, sRingK[None, None, stage], sSk[None, None, cw], r, cap, vec, act)
+                    elif lane < KL:
+                        state_scale = Float32(1.0)
+                        if cutlass.const_expr(read is not None and read.has_state_scale):
+                            state_scale = sMetaF[READ_STATE_SCALE, stage]
                         for r in cutlass.range_constexpr(RW):
                             rS = cute.make_rmem_tensor((vec,), Float32)
-                            cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                            if cutlass.const_expr(read is None):
+                                cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                            else:
+                                scale = smem_scale(read, sReadScale, stage, r0 + r, lane * vec, state_scale)
+                                decode_slice(read, cute.local_tile(sState[r0 + r, None, stage], (read.per_lane(vec),),
+                                                                   (lane,)), scale, rS)
                             for e in cutlass.range_constexpr(vec):
                                 rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
                                 rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+                    if cutlass.const_expr(rederive):
+                        if flush:
+                            cute.arch.sync_warp()  # the warp's S_ckpt k_p
+                            beta_lane = cutlass.select_(lane < h, sRingBeta[(origin + lane) % cap, stage],
+                                                        Float32(0.0))
+                            forward_substitution(sGram[None, None, stage], sSk[None, None, cw],
+                                                 cute.local_tile(sRingV[None, None, stage], (cap, RW), (0, cw)),
+                                                 sUre[None, None, cw], beta_lane, rU, g_j, origin, h, RW, cap)
+
+                    # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
+                    ring_k = Float32(0.0)
+                    ring_q = Float32(0.0)
+                    if cutlass.const_expr(ring):
+                        for p in cutlass.range_constexpr(cap):
+                            ring_k = ring_k + sRingDot[0, p, stage] * rU[p]
+                            ring_q = ring_q + sRingDot[1, p, stage] * rU[p]
                     rows = warp_reduce_many(rRows, 2 * RW)
                     s_k = cute.arch.shuffle_sync(rows, (2 * lr) << row_shift)
                     s_q = cute.arch.shuffle_sync(rows, (2 * lr + 1) << row_shift)
@@ -460,53 +580,81 @@ class GDNPipelinedDecode:
                     if lane < RW:
                         mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
                     if flush:
-                        # S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j,
-                        # the warp's rows in registers; a stale key is replaced by zero (NaN-safe).
-                        rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
-                        for r in cutlass.range_constexpr(RW):
-                            rS = cute.make_rmem_tensor((vec,), Float32)
-                            rS.fill(0.0)
-                            if lane < KL:  # lanes past K hold nothing (K < 32 vec)
-                                cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
-                            coef = cute.arch.shuffle_sync(u, r)
-                            for e in cutlass.range_constexpr(vec):
-                                rAcc[r, e] = gamma * rS[e] + coef * rK[e]
-                        if cutlass.const_expr(ring):
-                            for p in cutlass.range_constexpr(cap):
-                                j = (p - origin + cap) % cap
-                                live_p = j < h
-                                w = cute.arch.shuffle_sync(w_j, j)
-                                u_p = sRingU[p, r0 + lr, stage].to(Float32)
-                                coef_p = cutlass.select_(live_p, w * u_p, Float32(0.0))
-                                rKp = cute.make_rmem_tensor((vec,), Float32)
-                                rKp.fill(0.0)
-                                if lane < KL:
-                                    rKey = cute.make_rmem_tensor((vec,), act)
-                                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
-                                    for e in cutlass.range_constexpr(vec):
-                                        rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
-                                for r in cutlass.range_constexpr(RW):
-                                    coef = cute.arch.shuffle_sync(coef_p, r)
-                                    for e in cutlass.range_constexpr(vec):
-                                        rAcc[r, e] = rAcc[r, e] + coef * rKp[e]
-                        if lane < KL:
-                            for r in cutlass.range_constexpr(RW):
-                                cute.autovec_copy(rAcc[r, None], cute.local_tile(
-                                    mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,), (lane,)))
+                        self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sAmax, stage, mCheckpoint,
+                                            copy, slot64, vhead, part * R + r0, cw)
                     else:
                         if cutlass.const_expr(ring):
                             if lane < RW:
                                 mRingU[slot64, pos_h, vhead, i_row] = u.to(cutlass.Float16)
-                            # this token's key once per key head, its g once per value head
+                                if cutlass.const_expr(s.keep_v_beta):
+                                    mRingV[slot64, pos_h, vhead, i_row] = v_cur.to(act)
+                            # this token's key once per key head, its g (and beta) once per value head
                             if part == 0 and cw == 0:
                                 if vhead % rep == 0 and lane < KL:
                                     for e in cutlass.range_constexpr(vec):
                                         mRingK[slot64, pos_h, khead, lane * vec + e] = rK[e].to(act)
                                 if lane == 0:
                                     mRingG[slot64, pos_h, vhead] = g
+                                    if cutlass.const_expr(s.keep_v_beta):
+                                        mRingBeta[slot64, pos_h, vhead] = beta
                 release_stage(empty, stage)
                 it = it + 1
 
+    @cute.jit
+    def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
+                       w_j: Float32, origin: Int32, h: Int32, sRingK, sAmax, stage: Int32, mCheckpoint: cute.Tensor,
+                       copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32, cw: Int32):
+        """A flush of the warp's rows ``first_row ..`` of the head (``rAcc``, fp32, in registers):
+        S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
+        replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
+        state scale from the folded rows of every consumer warp first)."""
+        s, c = self.shape, self.config
+        cap, K = s.capacity, s.head_k_dim
+        RW, CW = c.rows_per_warp, c.consumer_warps()
+        vec = s.k_vec
+        KL = K // vec
+        act = s.act_dtype
+        copies = s.copies
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(RW):
+            coef = cute.arch.shuffle_sync(u, r)
+            for e in cutlass.range_constexpr(vec):
+                rAcc[r, e] = gamma * rAcc[r, e] + coef * rK[e]
+        if cutlass.const_expr(s.window > 1):
+            for p in cutlass.range_constexpr(cap):
+                j = (p - origin + cap) % cap
+                live_p = j < h
+                w = cute.arch.shuffle_sync(w_j, j)
+                coef_p = cutlass.select_(live_p, w * rU[p], Float32(0.0))
+                rKp = cute.make_rmem_tensor((vec,), Float32)
+                rKp.fill(0.0)
+                if lane < KL:
+                    rKey = cute.make_rmem_tensor((vec,), act)
+                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                    for e in cutlass.range_constexpr(vec):
+                        rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
+                for r in cutlass.range_constexpr(RW):
+                    coef = cute.arch.shuffle_sync(coef_p, r)
+                    for e in cutlass.range_constexpr(vec):
+                        rAcc[r, e] = rAcc[r, e] + coef * rKp[e]
+        if cutlass.const_expr(copies.read is None):
+            if lane < KL:
+                for r in cutlass.range_constexpr(RW):
+                    cute.autovec_copy(rAcc[r, None], cute.local_tile(mCheckpoint[slot64, vhead, first_row + r, None],
+                                                                     (vec,), (lane,)))
+        else:
+            state_scale = Float32(1.0)
+            if cutlass.const_expr(copies.whole_state):  # whole heads per item (GDNPipeConfig.check)
+                amax = Float32(0.0)
+                for r in cutlass.range_constexpr(RW):
+                    amax = max_nan(amax, lane_amax(rAcc[r, None]))
+                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER, 32 * CW)
+                if cw == 0:
+                    if lane == 0:
+                        copy.mStateScale[slot64, vhead] = state_scale
+            for r in cutlass.range_constexpr(RW):
+                store_copies(copies, rAcc[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
+                             first_row + r, state_scale, Uint32(0))
 
     @cute.jit
     def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor, mPlan: Optional[cute.Tensor],

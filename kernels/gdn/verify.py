@@ -353,7 +353,7 @@ class GDNVerify(DraftStepKernel):
                     for r in cutlass.range(MMA_ROWS, unroll=1):
                         rS = cute.make_rmem_tensor((vec,), Float32)
                         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-                        row_key_dots(rS, sKeys, sSk, r, cap, vec, act)
+                        row_key_dots(rS, sKeys, sSk[None, None, warp], r, cap, vec, act)
                     rUrow = cute.make_rmem_tensor((cap,), Float32)
                     rederive_corrections(sKeys, sGram, sSk, sUre, sVre, mRingV, mRingBeta, rUrow, g_j, slot64, vhead,
                                          i_warp + lane % MMA_ROWS, origin, h, MMA_ROWS, W, cap, vec, act)

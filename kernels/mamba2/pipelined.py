@@ -64,9 +64,10 @@ from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, la
                       prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, ReadCopy, acquire_stage, as_column, as_row, box_partition,
-                        copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch,
-                        publish_stage, release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, as_row,
+                        box_partition, copy_read_scales_async, copy_records_async, copy_rows_async, pipeline_check,
+                        producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
+                        stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_dots_error,
                         mma_row_dots, smem_scale, store_copies, warps_state_scale)
 from .config import Mamba2Shape
@@ -77,7 +78,6 @@ ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row t
 MAX_CONSUMER_GROUPS = 8
 MAX_WARPS = 32
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
-READ_STATE_SCALE = 4  # the fp32 scalar slot holding an nvfp4 read copy's state scale
 
 
 class Mamba2Token(NamedTuple):
@@ -413,11 +413,6 @@ class Mamba2PipelinedDecode:
                         sKeys[r, lane * (N // 32) + v, st] = act(0.0)
             copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            scale_piece = 1
-            copy_scale = copy4
-            if cutlass.const_expr(read is not None and read.scale_dtype is not None):
-                scale_piece = 32 // read.scale_dtype.width  # block scales, 4 bytes a copy
-                copy_scale = cute.make_copy_atom(cpasync.CopyG2SOp(), read.scale_dtype, num_bits_per_copy=32)
             # The producer walks its items in chunks of PF: lane u holds the scalars of the
             # chunk's item u, and the next chunk's are loaded while this one is issued, so a
             # load's latency is paid once per chunk behind PF stage waits, not per item.
@@ -449,7 +444,7 @@ class Mamba2PipelinedDecode:
                             slot64 = Int64(slot)
                             if cutlass.const_expr(read is not None):
                                 self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head, stage,
-                                                           sReadScale, sMetaF, copy_scale, scale_piece, copy4)
+                                                           sReadScale, sMetaF)
                             # this token's activations and the live ring records (stale positions
                             # as zeros), 16 bytes a lane
                             copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
@@ -763,8 +758,7 @@ class Mamba2PipelinedDecode:
 
     @cute.jit
     def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head: Int32,
-                              stage: Int32, sReadScale, sMetaF: cute.Tensor, copy_scale: cute.CopyAtom,
-                              scale_piece: cutlass.Constexpr[int], copy4: cute.CopyAtom):
+                              stage: Int32, sReadScale, sMetaF: cute.Tensor):
         """Producer, a live item next to a read copy: with the tile (``with_box``, a non-flushing
         item) the head's block scales and nvfp4 state scale by cp.async into the stage; else (a
         flush) the head's checkpoint prefetched into L2 for the consumers' row loads."""
@@ -772,13 +766,7 @@ class Mamba2PipelinedDecode:
         read = s.copies.read
         P, N = s.headdim, s.dstate
         if with_box:
-            if cutlass.const_expr(read.scale_dtype is not None):
-                count = P * read.scales_per_row
-                copy_rows_async(copy_scale, flat(copy.mScale[slot64, head, None, None], count),
-                                flat(sReadScale[None, None, stage], count), scale_piece)
-            if cutlass.const_expr(read.has_state_scale):
-                copy_rows_async(copy4, flat(cute.local_tile(copy.mStateScale[slot64, None], (1,), (head,)), 1),
-                                flat(cute.local_tile(sMetaF[None, stage], (1,), (READ_STATE_SCALE,)), 1), 1)
+            copy_read_scales_async(read, copy, slot64, head, Int32(0), P, sReadScale, sMetaF, stage)
         elif cutlass.const_expr(not self.config.flush_tile):
             if cute.arch.lane_idx() == 0:
                 prefetch_l2(mCheckpoint[slot64, head, None, None], P * N * 4)

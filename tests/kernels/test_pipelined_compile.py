@@ -132,13 +132,26 @@ def test_consumer_groups_and_register_cap_checks():
     assert Mamba2PipeConfig(4, 132, rows_per_warp=32).check(SUPER) is None  # the MMA fold: two 16-row tiles a warp
 
 
-def test_gdn_config_takes_plain_fp32_caches_only():
+def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
     assert gdn_pipe.GDNPipeConfig(4, 132, 64).check(QWEN) is None
-    for fields, words in [(dict(read_copy="fp8"), "fp32 checkpoint"), (dict(keep_v_beta=True), "re-derive"),
-                          (dict(rederive=True), "re-derive"), (dict(window=30, capacity=34), "capacity 34"),
-                          (dict(head_k_dim=40), "head_k_dim 40")]:
+    for read in ("fp16", "fp8", "nvfp4"):  # the cache's defaults next to a read copy: v, beta kept, re-derived
+        shape = GDNShape(**{**QWEN.__dict__, "read_copy": read, "keep_v_beta": True, "rederive": True})
+        assert gdn_pipe.GDNPipeConfig(4, 132, 128).check(shape) is None
+        half = gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape)
+        assert (half is None) == (read != "nvfp4"), half  # an nvfp4 copy is written a whole head at a time
+    for fields, words in [(dict(checkpoint_format="fp16"), "fp32 checkpoint"),
+                          (dict(checkpoint_format="fp16", read_copy="fp8"), "fp32 checkpoint"),
+                          (dict(rederive=True), "keep_v_beta"),
+                          (dict(rederive=True, keep_v_beta=True, head_k_dim=48), "K = 32 x 2, not 48"),
+                          (dict(read_copy="fp8", window=1, capacity=1), "needs a ring"),
+                          (dict(window=30, capacity=34), "capacity 34"), (dict(head_k_dim=40), "head_k_dim 40")]:
         shape = GDNShape(**{**QWEN.__dict__, **fields})
-        assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape)
+        assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
+    fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and the Gram matrix
+    config = gdn_pipe.GDNPipeConfig(4, 132, 128)
+    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4
+    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
     assert "rows_per_item 24" in gdn_pipe.GDNPipeConfig(4, 132, 24, 16).check(QWEN)
@@ -166,9 +179,9 @@ def test_producer_chunk_per_target(arch, prefetch):
     ("sm_90a", "0", 16, 256, False),
 ])
 def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, window, batch, pipelined):
-    """GDN ReplaySSM decode defaults to the pipelined kernel from batch 8 on sm_90a (measured on
-    the H200); the conventional step, smaller batches and sm_100a / sm_103a keep the tile kernels
-    unless REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
+    """GDN ReplaySSM decode on the plain fp32 cache defaults to the pipelined kernel from batch 8 on
+    sm_90a (measured on the H200); the conventional step, smaller batches, sm_100a / sm_103a and
+    read-copy caches keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1; =0 turns it off."""
     from replayssm_cute.layers.gdn import _decode_default
 
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -179,6 +192,10 @@ def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, fo
     shape = GDNShape(**{**QWEN.__dict__, "window": window, "capacity": window})
     config = _decode_default(shape, batch)
     assert isinstance(config, gdn_pipe.GDNPipeConfig) == pipelined, config
+    # a read copy (v and beta kept, re-derived) is pipelined only when asked for
+    copy = GDNShape(**{**shape.__dict__, "read_copy": "fp8", "keep_v_beta": True, "rederive": window > 1})
+    if window > 1:
+        assert isinstance(_decode_default(copy, batch), gdn_pipe.GDNPipeConfig) == (forced == "1"), forced
 
 
 @pytest.mark.parametrize("arch, forced, read, pipelined", [
@@ -212,8 +229,7 @@ def build(request, tmp_path_factory):
     env.update(REPLAYSSM_CUTE_PIPELINED="1", REPLAYSSM_CUTE_TUNED="0")
     cmd = [sys.executable, "-m", "replayssm_cute.precompile", "--model", model, "--arch", arch,
            "--workers", "1", "--dump-ptx", str(tmp / "ptx")]
-    if model == "nemotron-super":  # Mamba-2's pipeline also takes read copies
-        cmd += ["--read-copies", "fp16,fp8,nvfp4"]
+    cmd += ["--read-copies", "fp16,fp8,nvfp4"]  # both pipelines also take read copies
     proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     log = _ANSI.sub("", proc.stdout)
@@ -226,8 +242,7 @@ def test_pipelined_kernels_build_for_every_arch(build):
     pipe = [k for k in kernels if "_pipe" in k[0]]
     reads = [f"_read_{f}_" for f in ("fp16", "fp8", "nvfp4")]
     assert sorted(k[0].split("_")[1] for k in pipe if "_read_" not in k[0]) == ["conventional", "replay"], log[-4000:]
-    if "mamba2" in kernels[0][0]:
-        assert sorted(f for f in reads if any(f in k[0] for k in pipe)) == sorted(reads), log[-4000:]
+    assert sorted(f for f in reads if any(f in k[0] for k in pipe)) == sorted(reads), log[-4000:]
     for label, _, ptx, spills in pipe:
         text = open(ptx).read()
         assert f".target {arch}" in text
@@ -243,6 +258,6 @@ def test_pipelined_kernels_build_for_every_arch(build):
         if "_read_" in label:  # a flush next to a read copy has its checkpoint prefetched into L2
             assert "cp.async.bulk.prefetch.L2" in text, label
         assert ".local" not in text, f"{label}: local memory"
-        if "_read_fp8_" in label or "_read_nvfp4_" in label:
+        if label.startswith("mamba2") and ("_read_fp8_" in label or "_read_nvfp4_" in label):
             continue  # opt-in only (REPLAYSSM_CUTE_PIPELINED=1): their flush path spills under the 2-CTA register cap
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"

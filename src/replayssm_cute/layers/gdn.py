@@ -19,14 +19,16 @@ from ..runtime.launch import Kernel, cute_dtype
 from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
 
-# The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding from batch 8, where it was
-# measured level with or faster than the tile kernels (sweeps/results/README.md); the conventional step and
-# smaller batches keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1.
+# The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
+# batch 8, where it was measured level with or faster than the tile kernels (sweeps/results/README.md); the
+# conventional step, smaller batches and caches with v / beta records (read copies, re-derived corrections)
+# keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1: next to a read copy its non-flush steps are
+# faster but its re-deriving flushes slower, and the window mean was slower at batch 256.
 PIPELINED_MIN_BATCH = 8
 
 
 def pipelined_by_default(shape, bucket: int) -> bool:
-    return shape.window > 1 and bucket >= PIPELINED_MIN_BATCH
+    return shape.window > 1 and bucket >= PIPELINED_MIN_BATCH and not shape.keep_v_beta
 
 
 class GDNInputs(NamedTuple):
