@@ -26,6 +26,9 @@ PREFETCH_OTHER = 2
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
 CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
 READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 read copy's state scale
+MAX_CONSUMER_GROUPS = 8  # named barriers CONSUMER_BARRIER .. + 7, one per group
+MAX_WARPS = 32  # a CTA's warps: the producer and every group's consumers
+MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
 
 
 class ReadCopy(NamedTuple):
@@ -58,6 +61,21 @@ def pipeline_check(stages: int, ctas: int, smem_bytes: int, prefetch: int = 4) -
         return f"ctas {ctas}: expected 1..{MAX_CTAS}"
     if smem_bytes > SMEM_PER_CTA:
         return f"{stages} stages need {smem_bytes} bytes of shared memory (at most {SMEM_PER_CTA})"
+    return None
+
+
+def residency_check(stages: int, consumer_groups: int, warps: int, min_ctas_per_sm: int) -> Optional[str]:
+    """Why a pipelined config's consumer groups, warps or register cap cannot launch, or None."""
+    if not 1 <= consumer_groups <= MAX_CONSUMER_GROUPS:
+        return f"consumer_groups {consumer_groups}: expected 1..{MAX_CONSUMER_GROUPS}"
+    if stages % consumer_groups:
+        # a stage is then always used by the same group, in order: a group a lap ahead of
+        # another's pending use of a stage would see that use's mbarrier phase as its own
+        return f"consumer_groups {consumer_groups}: must divide the stages ({stages})"
+    if warps > MAX_WARPS:
+        return f"{warps} warps a CTA (at most {MAX_WARPS})"
+    if not 0 <= min_ctas_per_sm <= MAX_CTAS_PER_SM:
+        return f"min_ctas_per_sm {min_ctas_per_sm}: expected 0..{MAX_CTAS_PER_SM}"
     return None
 
 

@@ -13,10 +13,13 @@ of CTAs loops over work items, one per (batch row, value head, half of the head'
   the stage: q, k and v may be views with any batch stride) and the item's scalars (slot, h,
   origin, the raw gates, A_log, dt_bias);
 - the consumers compute the item from shared memory only and release the stage (one arrival
-  per consumer warp). Consumer warp c owns ``rows_per_warp`` of the item's rows (a lane per row
+  per consumer warp). With ``consumer_groups`` G > 1 the consumer warps form G groups, group g
+  taking the CTA's items g, g + G, ... (its own stages, named barrier and scratch), so G items are
+  computed at once and one item's chain of latencies hides behind another's. Consumer warp c (of
+  a group) owns ``rows_per_warp`` of the item's rows (a lane per row
   for the row terms, ``k_vec`` consecutive elements of K per lane). The key head's ring dots
   (k_p . k, k_p . q) are the same for every row: the consumer warps split the positions between
-  them, store the weighted dots in the stage and meet at a named barrier before reading them all.
+  them, store the weighted dots in the stage and meet at their group's named barrier before reading them all.
 
 Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's box is its rows
 of the read copy (block scales and nvfp4's state scale by cp.async), decoded row by row on CUDA
@@ -64,7 +67,8 @@ from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
                         copy_read_scales_async, copy_records_async, pipeline_check, producer_prefetch, publish_stage,
-                        release_stage, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+                        release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes,
+                        wait_stage)
 from ..state_io import decode_slice, entry_tma, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
 from .common import gdn_gates, normalize_qk
 from .config import GDNShape
@@ -72,6 +76,7 @@ from .decode import forward_substitution, key_gram, row_key_dots
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
+MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
 
 
 class GDNToken(NamedTuple):
@@ -104,16 +109,25 @@ class GDNPipeConfig:
     ``ctas`` CTAs in the persistent grid, ``rows_per_item`` state rows per item (a divisor of
     head_v_dim), ``rows_per_warp`` of them per consumer warp (8 or 16: more warps hide more of
     the per-item latency, fewer repeat less of the per-warp work), ``prefetch`` items whose inputs
-    the producer loads in one round (kernels/pipeline.py)."""
+    the producer loads in one round (kernels/pipeline.py); ``consumer_groups`` groups of an item's
+    consumer warps take turns at the items (group g the CTA's items g, g + G, ...), so that many
+    items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM."""
 
     stages: int = 4
     ctas: int = 132
     rows_per_item: int = 64
     rows_per_warp: int = 16
     prefetch: int = 4
+    consumer_groups: int = 1
+    min_ctas_per_sm: int = 0
 
     def consumer_warps(self) -> int:
+        """An item's consumer warps (one group's)."""
         return self.rows_per_item // self.rows_per_warp
+
+    def warps(self) -> int:
+        """A CTA's warps: the producer and every group's consumers."""
+        return 1 + self.consumer_groups * self.consumer_warps()
 
     def stage_bytes(self, shape: GDNShape) -> int:
         R, K, cap = self.rows_per_item, shape.head_k_dim, shape.capacity
@@ -127,11 +141,12 @@ class GDNPipeConfig:
 
     def smem_bytes(self, shape: GDNShape) -> int:
         # a re-deriving flush's per-warp S_ckpt k_p and re-derived u, by position and row (not staged)
-        scratch = 2 * shape.capacity * self.rows_per_item * 4 + 32 if shape.rederive else 0
+        scratch = 2 * shape.capacity * self.rows_per_item * self.consumer_groups * 4 + 32 if shape.rederive else 0
         return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch
 
     def key(self):
-        return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch)
+        return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
+                self.consumer_groups, self.min_ctas_per_sm)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -146,6 +161,9 @@ class GDNPipeConfig:
                     f"{self.rows_per_warp} up to 256 dividing head_v_dim {V}")
         if self.consumer_warps() > 16:
             return f"{self.consumer_warps()} consumer warps (rows_per_item / rows_per_warp): at most 16"
+        reason = residency_check(self.stages, self.consumer_groups, self.warps(), self.min_ctas_per_sm)
+        if reason is not None:
+            return reason
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         if shape.read_copy is not None:
@@ -157,14 +175,16 @@ class GDNPipeConfig:
                 return "re-deriving corrections needs keep_v_beta and a window > 1"
             if 32 * shape.k_vec != K:
                 return f"a re-deriving flush needs every lane to hold a slice of a key: K = 32 x {shape.k_vec}, not {K}"
-        return pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
+        return (pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
+                or smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm))
 
 
 def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeConfig]:
     """The configs the tuner times (replayssm_cute.tune) where ``pipelined_config`` serves
     ``shape``: one or two CTAs per SM, whole or half heads per item, 8- or 16-row consumer warps,
-    the stage counts of PIPELINE_STAGE_CHOICES that fit, the target's producer chunk; [] where it
-    serves nothing."""
+    one or two consumer groups (where an SM keeps at most 9 warps: more leave a consumer fewer
+    than 168 registers, and the flush spills), the stage counts of PIPELINE_STAGE_CHOICES that fit
+    (multiples of the groups), the target's producer chunk; [] where it serves nothing."""
     default = pipelined_config(shape, sm_count, arch)
     if default is None:
         return []
@@ -173,10 +193,13 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
     for per_sm in (1, 2):
         for rows in sorted({V, V // 2}, reverse=True):
             for rows_per_warp in ROWS_PER_WARP:
-                for stages in PIPELINE_STAGE_CHOICES:
-                    config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp, default.prefetch)
-                    if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
-                        configs.append(config)
+                for groups in (1, 2):
+                    for stages in PIPELINE_STAGE_CHOICES:
+                        config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp, default.prefetch, groups)
+                        if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
+                            continue
+                        if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
+                            configs.append(config)
     return configs
 
 
@@ -241,7 +264,7 @@ class GDNPipelinedDecode:
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
-        ), [c.ctas, 1, 1], [32 * (1 + c.consumer_warps()), 1, 1], stream, c.smem_bytes(s))
+        ), [c.ctas, 1, 1], [32 * c.warps(), 1, 1], stream, c.smem_bytes(s), c.min_ctas_per_sm)
 
     @cute.kernel
     def kernel(
@@ -262,6 +285,7 @@ class GDNPipelinedDecode:
         PF = c.prefetch
         R = c.rows_per_item
         CW = c.consumer_warps()
+        G = c.consumer_groups
         RW = c.rows_per_warp
         parts = V // R  # items per value head
         vec = s.k_vec
@@ -289,7 +313,7 @@ class GDNPipelinedDecode:
         # the read copy's with their scales), the ring records it reads, this token's q, k, v
         # (fp32) and the item's scalars; a full and an empty mbarrier per stage; with re-derived
         # corrections the records' v and beta and the keys' Gram matrix per stage, and each consumer
-        # warp's S_ckpt k_p and re-derived u.
+        # warp's (of every group) S_ckpt k_p and re-derived u.
         smem = SmemAllocator()
         sState = staged(smem, entry.storage, (R, entry.cols), ST, byte_alignment=128)
         sReadScale, sAmax = None, None
@@ -307,9 +331,9 @@ class GDNPipelinedDecode:
             sRingV = staged(smem, act, (cap, R), ST)
             sRingBeta = staged(smem, Float32, (32,), ST)
             sGram = staged(smem, Float32, (cap, cap), ST)
-            sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, CW), stride=(RW, 1, cap * RW)),
+            sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                        byte_alignment=16)
-            sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, CW), stride=(RW, 1, cap * RW)),
+            sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                         byte_alignment=16)
         sQ = staged(smem, Float32, (K,), ST)
         sK = staged(smem, Float32, (K,), ST)
@@ -425,19 +449,22 @@ class GDNPipelinedDecode:
                 chunk = chunk + 1
         else:
             # ------------------------------------------------------------ consumers
-            cw = warp - 1
+            # consumer group cg computes the CTA's items cg, cg + G, ...; cw is the warp's place in it
+            cg = (warp - 1) // CW
+            cw = (warp - 1) % CW
+            group_barrier = CONSUMER_BARRIER + cg
             lr = lane % RW
             pos_per_warp = (cap + CW - 1) // CW
             n_dots = pow2_at_least(2 * pos_per_warp)
             dot_shift = 5 - (n_dots.bit_length() - 1)
             row_shift = 5 - (2 * RW).bit_length() + 1
             it = Int32(0)
-            for item in cutlass.range(bid, total, grid, unroll=1):
+            for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
                 row = item // (HV * parts)
                 vhead = (item // parts) % HV
                 part = item % parts
                 khead = vhead // rep
-                stage, phase = stage_of(it, ST)
+                stage, phase = stage_of(it * G + cg, ST)
                 wait_stage(full, stage, phase)
                 slot = sMetaI[0, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
@@ -507,7 +534,7 @@ class GDNPipelinedDecode:
                         if cutlass.const_expr(rederive):
                             if flush:
                                 key_gram(sRingK[None, None, stage], sGram[None, None, stage], cw, CW, cap, vec, act)
-                        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
+                        cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                     # S k and S q of the warp's rows (the checkpoint before this token): a flush
                     # holds its fp32 rows in registers (from the stage, or from global memory next
@@ -539,7 +566,7 @@ class GDNPipelinedDecode:
                                 else:
                                     cute.autovec_copy(cute.local_tile(
                                         mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,), (lane,)), rS)
-                                row_key_dots(rS, sRingK[None, None, stage], sSk[None, None, cw], r, cap, vec, act)
+                                row_key_dots(rS, sRingK[None, None, stage], sSk[None, None, warp - 1], r, cap, vec, act)
                     elif lane < KL:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read is not None and read.has_state_scale):
@@ -560,9 +587,9 @@ class GDNPipelinedDecode:
                             cute.arch.sync_warp()  # the warp's S_ckpt k_p
                             beta_lane = cutlass.select_(lane < h, sRingBeta[(origin + lane) % cap, stage],
                                                         Float32(0.0))
-                            forward_substitution(sGram[None, None, stage], sSk[None, None, cw],
+                            forward_substitution(sGram[None, None, stage], sSk[None, None, warp - 1],
                                                  cute.local_tile(sRingV[None, None, stage], (cap, RW), (0, cw)),
-                                                 sUre[None, None, cw], beta_lane, rU, g_j, origin, h, RW, cap)
+                                                 sUre[None, None, warp - 1], beta_lane, rU, g_j, origin, h, RW, cap)
 
                     # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
                     ring_k = Float32(0.0)
@@ -581,7 +608,7 @@ class GDNPipelinedDecode:
                         mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
                     if flush:
                         self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sAmax, stage, mCheckpoint,
-                                            copy, slot64, vhead, part * R + r0, cw)
+                                            copy, slot64, vhead, part * R + r0, cw, group_barrier)
                     else:
                         if cutlass.const_expr(ring):
                             if lane < RW:
@@ -603,11 +630,12 @@ class GDNPipelinedDecode:
     @cute.jit
     def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
                        w_j: Float32, origin: Int32, h: Int32, sRingK, sAmax, stage: Int32, mCheckpoint: cute.Tensor,
-                       copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32, cw: Int32):
+                       copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32, cw: Int32, group_barrier: Int32):
         """A flush of the warp's rows ``first_row ..`` of the head (``rAcc``, fp32, in registers):
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
         replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
-        state scale from the folded rows of every consumer warp first)."""
+        state scale from the folded rows of every consumer warp of the group first, which meet at
+        ``group_barrier``)."""
         s, c = self.shape, self.config
         cap, K = s.capacity, s.head_k_dim
         RW, CW = c.rows_per_warp, c.consumer_warps()
@@ -648,7 +676,7 @@ class GDNPipelinedDecode:
                 amax = Float32(0.0)
                 for r in cutlass.range_constexpr(RW):
                     amax = max_nan(amax, lane_amax(rAcc[r, None]))
-                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER, 32 * CW)
+                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, group_barrier, 32 * CW)
                 if cw == 0:
                     if lane == 0:
                         copy.mStateScale[slot64, vhead] = state_scale

@@ -66,17 +66,14 @@ from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, as_row,
                         box_partition, copy_read_scales_async, copy_records_async, copy_rows_async, pipeline_check,
-                        producer_prefetch, publish_stage, release_stage, stage_barriers, stage_of, staged,
+                        producer_prefetch, publish_stage, release_stage, residency_check, stage_barriers, stage_of, staged,
                         stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_dots_error,
                         mma_row_dots, smem_scale, store_copies, warps_state_scale)
 from .config import Mamba2Shape
 
-MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
-MAX_CONSUMER_GROUPS = 8
-MAX_WARPS = 32
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
 
 
@@ -178,19 +175,12 @@ class Mamba2PipeConfig:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         if self.rows_per_warp not in ROWS_PER_WARP:
             return f"rows_per_warp {self.rows_per_warp}: expected one of {ROWS_PER_WARP}"
-        if not 1 <= self.consumer_groups <= MAX_CONSUMER_GROUPS:
-            return f"consumer_groups {self.consumer_groups}: expected 1..{MAX_CONSUMER_GROUPS}"
-        if self.stages % self.consumer_groups:
-            # a stage is then always used by the same group, in order: a group a lap ahead of
-            # another's pending use of a stage would see that use's mbarrier phase as its own
-            return f"consumer_groups {self.consumer_groups}: must divide the stages ({self.stages})"
-        if self.warps(shape) > MAX_WARPS:
-            return f"{self.warps(shape)} warps a CTA (at most {MAX_WARPS})"
+        reason = residency_check(self.stages, self.consumer_groups, self.warps(shape), self.min_ctas_per_sm)
+        if reason is not None:
+            return reason
         if self.mma_fold and (P // self.consumer_warps(shape)) % 16:
             return (f"headdim {P}: the tensor-core fold needs warps of whole 16-row tiles (mma_fold=False folds on "
                     "CUDA cores)")
-        if not 0 <= self.min_ctas_per_sm <= MAX_CTAS_PER_SM:
-            return f"min_ctas_per_sm {self.min_ctas_per_sm}: expected 0..{MAX_CTAS_PER_SM}"
         return (pipeline_check(self.stages, self.ctas, self.smem_bytes(shape), self.prefetch)
                 or smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm))
 

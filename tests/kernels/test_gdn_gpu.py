@@ -180,18 +180,22 @@ def test_stale_ring_records_never_reach_outputs_or_folds(shape, window, decode_k
     _run_case(shape, 37, torch.bfloat16, window, seed=window, poison_ring=True)
 
 
-@pytest.mark.parametrize("rows_per_warp", [16, 8])
+@pytest.mark.parametrize("rows_per_warp, groups", [(16, 1), (8, 1), (16, 2)])
 @pytest.mark.parametrize("window", [1, 16])
-def test_pipelined_small_grid(window, rows_per_warp):
-    """The pipelined decode on an 8-CTA grid of 3 stages (every CTA reuses its stages many times),
-    whole heads and half heads, 16 or 8 rows per consumer warp (the ring dots split over 4 or 8
-    warps, and over 1 or 2 of the narrow head's), poisoned rings included."""
+def test_pipelined_small_grid(window, rows_per_warp, groups):
+    """The pipelined decode on an 8-CTA grid of 3 or 4 stages (every CTA reuses its stages many
+    times), whole heads and half heads, 16 or 8 rows per consumer warp (the ring dots split over 4
+    or 8 warps, and over 1 or 2 of the narrow head's), one or two consumer groups (each its own
+    stages and named barrier), poisoned rings included."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
+    stages = 3 if groups == 1 else 4
     _run_case("odd", 37, torch.bfloat16, window, seed=window, poison_ring=window > 1,
-              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=64, rows_per_warp=rows_per_warp))
+              config=GDNPipeConfig(stages=stages, ctas=8, rows_per_item=64, rows_per_warp=rows_per_warp,
+                                   consumer_groups=groups))
     _run_case("narrow", 9, torch.float32, window, seed=window + 1,
-              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=16, rows_per_warp=rows_per_warp))
+              config=GDNPipeConfig(stages=stages, ctas=8, rows_per_item=16, rows_per_warp=rows_per_warp,
+                                   consumer_groups=groups))
 
 
 @pytest.mark.xdist_group("gpu_memory")

@@ -237,8 +237,8 @@ def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_ti
     _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, 4, "fp32", read), 4, "fp32", read, config)
 
 
-GDN_PIPELINED_READ_CONFIGS = [  # stages, ctas, rows per item, rows per warp
-    (2, 3, 128, 16), (3, 4, 128, 8), (3, 5, 64, 16), (4, 2, 32, 8)]
+GDN_PIPELINED_READ_CONFIGS = [  # stages, ctas, rows per item, rows per warp, consumer groups
+    (2, 3, 128, 16, 1), (3, 4, 128, 8, 1), (3, 5, 64, 16, 1), (4, 2, 32, 8, 1), (4, 3, 64, 16, 2), (2, 2, 128, 16, 2)]
 GDN_PIPELINED_READ_CASES = [  # an nvfp4 copy is written a whole head (V rows) at a time
     (read, corrections) + config
     for read, corrections in [("fp16", "rederive"), ("fp8", "rederive"), ("nvfp4", "rederive"), ("fp8", "fold"),
@@ -246,16 +246,18 @@ GDN_PIPELINED_READ_CASES = [  # an nvfp4 copy is written a whole head (V rows) a
     for config in GDN_PIPELINED_READ_CONFIGS if read != "nvfp4" or config[2] == V]
 
 
-@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp", GDN_PIPELINED_READ_CASES)
-def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp):
+@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups", GDN_PIPELINED_READ_CASES)
+def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups):
     """The pipelined GDN decode next to a read copy (or re-deriving on the fp32 checkpoint) on
     small grids: every CTA reuses its stages many times, with flushing items (no box: the
     checkpoint rows from global memory, re-derived corrections from the staged v and beta and the
     Gram matrix the consumer warps share) and non-flushing ones (the copy's rows) in the same
-    ring, whole and partial heads; teacher-forced as above."""
+    ring, whole and partial heads, one or two consumer groups (each its own stages, named barrier
+    and re-derivation scratch; nvfp4's state scale reduced over one group's warps);
+    teacher-forced as above."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
-    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp)
+    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups)
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, corrections), 4, "fp32", read, config)
 
 

@@ -166,6 +166,28 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
     assert "prefetch 3" in gdn_pipe.GDNPipeConfig(3, 132, 128, prefetch=3).check(QWEN)
 
 
+def test_gdn_consumer_groups_and_register_cap_checks():
+    """Consumer groups: each its own stages (the groups divide them), at most 32 warps a CTA; a
+    register cap that the shared memory lets fit; a re-deriving cache's scratch per group."""
+    base = gdn_pipe.GDNPipeConfig(4, 132, 64, 16)
+    grouped = dataclasses.replace(base, consumer_groups=2)
+    assert grouped.check(QWEN) is None and grouped.warps() == 1 + 2 * 4 and base.warps() == 5
+    assert grouped.key() != base.key() and dataclasses.replace(base, min_ctas_per_sm=2).key() != base.key()
+    for fields, words in [(dict(consumer_groups=0), "consumer_groups 0"), (dict(consumer_groups=3), "must divide the stages"),
+                          (dict(consumer_groups=4, rows_per_item=128, rows_per_warp=8), "65 warps"),
+                          (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"), (dict(stages=3, min_ctas_per_sm=2), "do not fit")]:
+        assert words in dataclasses.replace(base, **fields).check(QWEN), fields
+    fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
+    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each)
+    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4
+    assert grouped.smem_bytes(QWEN) == base.smem_bytes(QWEN)
+    for shape in (QWEN, fp16):
+        space = gdn_pipe.pipelined_space(shape, 132, "sm_90a")
+        grouped_space = [c for c in space if c.consumer_groups == 2]
+        assert grouped_space and all(c.stages % 2 == 0 and c.warps() * (c.ctas // 132) <= 9 for c in grouped_space)
+        assert len({c.key() for c in space}) == len(space)
+
+
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
 def test_producer_chunk_per_target(arch, prefetch):
     """The producer's chunk is the target's: 4 items on sm_90a, 2 where 4 spills registers."""
