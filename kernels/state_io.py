@@ -462,17 +462,40 @@ def _piece_col(fmt: CopyFormat, t: int, step: int) -> int:
 
 
 def _step_tile(fmt: CopyFormat, step: int, t: int = 0) -> int:
-    """The group of 8 scale blocks (MMA columns) that lane 4 g + t's piece of k-step ``step`` reads."""
+    """The group of 8 scale blocks that lane 4 g + t's piece of k-step ``step`` reads."""
     return _piece_col(fmt, t, step) // fmt.block_k // 8
 
 
-def mma_dots_error(fmt: CopyFormat, rows: int) -> Optional[str]:
+def dot_columns(fmt: CopyFormat, vectors: int) -> int:
+    """MMA columns per vector in ``mma_row_dots``: vector v's scale block b is column v x this + b
+    (one n-tile for every vector where their blocks fit in 8 columns, else whole n-tiles each)."""
+    blocks = fmt.K // fmt.block_k
+    return blocks if blocks * vectors <= 8 else 8 * ((blocks + 7) // 8)
+
+
+def dot_fragments(fmt: CopyFormat, vectors: int) -> list:
+    """The (k-step, n-tile) MMAs of ``mma_row_dots`` in order: each k-step meets the n-tile of its
+    group of scale blocks in every vector's columns (the index of a pair in this list is its B
+    fragment's)."""
+    columns = dot_columns(fmt, vectors)
+    return [(step, tile) for step in range(fmt.K // 16)
+            for tile in sorted({(v * columns + 8 * _step_tile(fmt, step)) // 8 for v in range(vectors)})]
+
+
+def _tile_vectors(columns: int, vectors: int, tile: int) -> list:
+    """The vectors with columns in n-tile ``tile`` (``columns`` each, ``dot_columns``)."""
+    return [v for v in range(vectors) if v * columns < 8 * tile + 8 and 8 * tile < (v + 1) * columns]
+
+
+def mma_dots_error(fmt: CopyFormat, rows: int, lane_vec: int = 0) -> Optional[str]:
     """None if ``mma_row_dots`` takes ``rows`` rows of ``fmt``: whole 16-row MMA tiles, rows of
-    whole 16-byte chunks per k-step lane, and each k-step inside one group of 8 scale blocks."""
-    if fmt.name in ("fp32", "fp16"):
-        # nothing to decode: CUDA cores keep up with the bytes (measured on the H200, Super fp16
-        # copy on the pipelined decode, b256 non-flush: 149 us, 157 on tensor cores)
-        return f"{fmt.name} rows are read on CUDA cores"
+    whole 16-byte chunks per k-step lane, and each k-step inside one group of 8 scale blocks; with
+    ``lane_vec`` > 0, B fragments from lanes of that many values each (``lane_b_fragments``: whole
+    fp16 pairs, a k-step lane's 16-byte chunk of whole lanes' values)."""
+    if fmt.name == "fp32":
+        return "fp32 rows are read on CUDA cores"
+    if lane_vec and (lane_vec % 2 or 64 // _piece_bytes(fmt) % lane_vec):
+        return f"{lane_vec} values per lane: B fragments from lanes take 2, 4 or 8"
     if rows % 16 or rows > 32:
         return f"{rows} rows: the MMA takes 16-row tiles, a lane per row (16 or 32)"
     steps, ppc = fmt.K // 16, 16 // _piece_bytes(fmt)
@@ -501,6 +524,18 @@ def _f16_pair_values(packed: Int32):
                         packed, Float32)
 
 
+@cute.jit
+def _f16x2_parts(lo: Float32, hi: Float32, parts: cutlass.Constexpr[int]):
+    """(lo, hi) as packed fp16: one pair (RN), or with ``parts`` 2 also the pair of what it leaves
+    (22 bits together)."""
+    packed = _f16x2_from_f32(hi, lo)
+    rest = Int32(0)
+    if cutlass.const_expr(parts == 2):
+        lo_back, hi_back = _f16_pair_values(packed)
+        rest = _f16x2_from_f32(hi - hi_back, lo - lo_back)
+    return packed, rest
+
+
 # E2M1 magnitudes 0, 0.5, 1, 1.5 and 2, 3, 4, 6 as the high bytes of their fp16 codes (low bytes 0)
 _E2M1_F16_HIGH = (0x3E3C3800, 0x46444240)
 
@@ -508,11 +543,13 @@ _E2M1_F16_HIGH = (0x3E3C3800, 0x46444240)
 @cute.jit
 def _piece_f16x2(fmt: cutlass.Constexpr[CopyFormat], rWords: cute.Tensor, i: cutlass.Constexpr[int]):
     """(lo, hi): the 4 values of piece ``i`` of a lane's 16-byte chunk ``rWords`` (4 words) as
-    packed fp16 pairs (values 0, 1 and 2, 3), exactly: E4M3 by the hardware conversion, E2M1 by it
-    on sm_100a / sm_103a and on sm_90a by a byte-permute table lookup of the magnitudes with the
-    sign bits moved in."""
+    packed fp16 pairs (values 0, 1 and 2, 3), exactly: fp16 as stored, E4M3 by the hardware
+    conversion, E2M1 by it on sm_100a / sm_103a and on sm_90a by a byte-permute table lookup of
+    the magnitudes with the sign bits moved in."""
     lo, hi = Int32(0), Int32(0)
-    if cutlass.const_expr(fmt.name == "fp8"):
+    if cutlass.const_expr(fmt.name == "fp16"):
+        lo, hi = Int32(rWords[2 * i]), Int32(rWords[2 * i + 1])
+    elif cutlass.const_expr(fmt.name == "fp8"):
         lo, hi = _two_results("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; "
                               "cvt.rn.f16x2.e4m3x2 $1, h; }", "=r,=r,r", Int32(rWords[i]))
     else:
@@ -534,44 +571,33 @@ def _piece_f16x2(fmt: cutlass.Constexpr[CopyFormat], rWords: cute.Tensor, i: cut
 
 
 @cute.jit
-def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale, sC: cute.Tensor, rC: cute.Tensor,
-                 state_scale: Float32) -> Float32:
-    """Lane r < rows: sum over k of row r of the fp8 / nvfp4 copy ``sRows`` (rows, cols) decoded
-    (block scales ``sScale`` (rows, scales_per_row); nvfp4's ``state_scale``) times
-    ``sC`` (K,) (activations; ``rC`` the lane's vec consecutive values of it as fp32), on tensor
-    cores (``mma_dots_error`` says which shapes).
-
-    The codes are exact in fp16; C is scaled by a power of two that puts its largest magnitude
-    just under 2^15 and rounded to fp16 (exact down to 2^-29 of the largest for bf16; an fp16 C
-    taken as is; fp32 as an fp16 hi + lo, 22 bits), and the products are summed in fp32. MMA
-    column n holds C restricted to scale block n (zero elsewhere), so each row's block sums come
-    out apart and take their scales after the product. A lane reads 16-byte chunks of its rows and gives their pieces to successive
-    k-steps; B permutes k alike, so the sums are the row dots."""
+def vector_b_fragments(fmt: cutlass.Constexpr[CopyFormat], sC: cute.Tensor, rC: cute.Tensor):
+    """(B fragments, factor) of one vector for ``mma_row_dots`` from ``sC`` (K,) in shared or
+    global memory (activations; ``rC`` the lane's vec consecutive values of it as fp32): C scaled by a
+    power of two that puts its largest magnitude just under 2^15, rounded to fp16 (exact down to
+    2^-29 of the largest for bf16; an fp16 C taken as is; fp32 as an fp16 hi + lo, 22 bits: two
+    parts), and the factor that undoes the scaling."""
     lane = cute.arch.lane_idx()
     g = lane // 4
     t = lane % 4
-    rows = cute.size(sRows, mode=[0])
-    steps = fmt.K // 16
     ppc = 16 // _piece_bytes(fmt)
-    blocks = fmt.scales_per_row
-    tiles = (blocks + 7) // 8
     act = sC.element_type
     shift = Int32(0)
     if cutlass.const_expr(act is not Float16):
         biased = (f32_bits(_group_max(lane_amax(rC), 32)) >> 23) & 0xFF
         shift = cutlass.select_(biased == 0xFF, Int32(0), cutlass.min(cutlass.max(141 - biased, -113), 100))
     up = _f32_from_bits((shift + 127) << 23)
-    # B fragments of every k-step: C' at the lane's piece, where its block is the lane's column g;
-    # fp32 activations as fp16 hi + lo parts (two MMAs), the others in one
     parts = 2 if act is Float32 else 1
+    fragments = dot_fragments(fmt, 1)
     sCWords = cute.make_tensor(cute.recast_ptr(sC.iterator, dtype=Uint32), cute.make_layout((fmt.K * act.width // 32,)))
-    rB = cute.make_rmem_tensor((2, steps, parts), Int32)
-    for step in cutlass.range_constexpr(steps):
+    rB = cute.make_rmem_tensor((2, len(fragments), parts), Int32)
+    for f in cutlass.range_constexpr(len(fragments)):
+        step, tile = fragments[f]
         col = 4 * ppc * t + _piece_col(fmt, 0, step)
-        mine = g == (col // fmt.block_k) % 8
+        mine = 8 * tile + g == col // fmt.block_k
         for half in cutlass.range_constexpr(2):
             if cutlass.const_expr(act is Float16):
-                rB[half, step, 0] = cutlass.select_(mine, Int32(sCWords[col // 2 + half]), Int32(0))
+                rB[half, f, 0] = cutlass.select_(mine, Int32(sCWords[col // 2 + half]), Int32(0))
             else:
                 if cutlass.const_expr(act is Float32):
                     lo = _f32_from_bits(Int32(sCWords[col + 2 * half])) * up
@@ -580,17 +606,93 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
                     word = Int32(sCWords[col // 2 + half])
                     lo = _f32_from_bits(word << 16) * up
                     hi = _f32_from_bits(word & Int32(-65536)) * up
-                packed = _f16x2_from_f32(hi, lo)
-                rB[half, step, 0] = cutlass.select_(mine, packed, Int32(0))
+                packed, rest = _f16x2_parts(lo, hi, parts)
+                rB[half, f, 0] = cutlass.select_(mine, packed, Int32(0))
                 if cutlass.const_expr(parts == 2):
-                    lo_back, hi_back = _f16_pair_values(packed)
-                    rB[half, step, 1] = cutlass.select_(mine, _f16x2_from_f32(hi - hi_back, lo - lo_back), Int32(0))
+                    rB[half, f, 1] = cutlass.select_(mine, rest, Int32(0))
+    return rB, _f32_from_bits((127 - shift) << 23)
+
+
+def _b_source(fmt: CopyFormat, vec: int, step: int, half: int):
+    """Where lane 4 g + t's B values of k-step ``step`` (values 2 half, 2 half + 1 of its piece)
+    sit when each lane holds ``vec`` consecutive values: (a, b, pair): lane a t + b, its fp16 pair
+    ``pair`` (``mma_dots_error`` with ``lane_vec`` says which vec take whole pairs)."""
+    ppc = 16 // _piece_bytes(fmt)
+    first = _piece_col(fmt, 0, step) + 2 * half  # lane t's piece starts 4 ppc t further
+    return 4 * ppc // vec, first // vec, first % vec // 2
+
+
+@cute.jit
+def lane_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.Constexpr):
+    """B fragments (two parts: fp16 hi + lo, 22 bits) for ``mma_row_dots`` of the vectors
+    ``rVectors`` (each lane's vec consecutive fp32 values of each; lanes past the vector hold
+    zeros), each scaled by its power of two ``ups[v]`` (the caller's bound: |value| x up < 2^15),
+    gathered by shuffles from the lanes that hold them: lane 4 g + t's column's vector at its
+    piece of each k-step, where the column's block is the piece's (zero elsewhere). All of them
+    before the first MMA, so that the shuffles' latencies overlap (gathered next to each MMA into
+    one accumulator chain, the MMAs waited on them: Qwen3.5-122B nvfp4 at batch 256, 346 us
+    against 315 this way, with the parts' chains apart)."""
+    lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    vectors = len(rVectors)
+    vec = cute.size(rVectors[0])
+    ppc = 16 // _piece_bytes(fmt)
+    columns = dot_columns(fmt, vectors)
+    fragments = dot_fragments(fmt, vectors)
+    rPairs = cute.make_rmem_tensor((vectors, 2, vec // 2), Int32)  # the lane's own values as packed parts
+    for v in cutlass.range_constexpr(vectors):
+        for i in cutlass.range_constexpr(vec // 2):
+            packed, rest = _f16x2_parts(rVectors[v][2 * i] * ups[v], rVectors[v][2 * i + 1] * ups[v], 2)
+            rPairs[v, 0, i] = packed
+            rPairs[v, 1, i] = rest
+    rB = cute.make_rmem_tensor((2, len(fragments), 2), Int32)
+    for f in cutlass.range_constexpr(len(fragments)):
+        step, tile = fragments[f]
+        column = 8 * tile + g  # vector column // columns, block column % columns
+        mine = column % columns == (4 * ppc * t + _piece_col(fmt, 0, step)) // fmt.block_k
+        in_tile = _tile_vectors(columns, vectors, tile)
+        for half in cutlass.range_constexpr(2):
+            lanes_per_t, first_lane, pair = _b_source(fmt, vec, step, half)
+            for p in cutlass.range_constexpr(2):
+                value = Int32(0)
+                for i in cutlass.range_constexpr(len(in_tile)):
+                    got = cute.arch.shuffle_sync(rPairs[in_tile[i], p, pair], lanes_per_t * t + first_lane)
+                    value = cutlass.select_(mine & (column // columns == in_tile[i]), got, value)
+                rB[half, f, p] = value
+    return rB
+
+
+@cute.jit
+def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale, rB: cute.Tensor,
+                 vectors: cutlass.Constexpr[int], state_scale: Float32):
+    """Lane r < rows: per vector, the sum over k of row r of the fp16 / fp8 / nvfp4 copy ``sRows``
+    (rows, cols) decoded (block scales ``sScale`` (rows, scales_per_row); nvfp4's ``state_scale``)
+    times the vector as its B fragments ``rB`` give it (``vector_b_fragments``,
+    ``lane_b_fragments``: scaled, the caller undoes it), on tensor cores (``mma_dots_error`` says
+    which shapes). The codes are exact in fp16 and the products are summed in fp32 (a B fragment's
+    parts in accumulators of their own: two chains of dependent MMAs, not one). MMA column
+    v x ``dot_columns`` + b holds vector v restricted to scale block b (zero elsewhere), so each
+    row's block sums come out apart and take their scales after the product. A lane reads 16-byte
+    chunks of its rows and gives their pieces to successive k-steps; B permutes k alike, so the
+    sums are the row dots. Returns a tuple of ``vectors`` values."""
+    lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    rows = cute.size(sRows, mode=[0])
+    steps = fmt.K // 16
+    ppc = 16 // _piece_bytes(fmt)
+    blocks = fmt.K // fmt.block_k
+    columns = dot_columns(fmt, vectors)
+    tiles = (vectors * columns + 7) // 8
+    fragments = dot_fragments(fmt, vectors)
+    parts = cute.size(rB, mode=[2])
     row_words = fmt.row_bytes // 4
     sWords = cute.make_tensor(cute.recast_ptr(sRows.iterator, dtype=Uint32),
                               cute.make_layout((rows, row_words // 4, 4), stride=(row_words, 4, 1)))
-    result = Float32(0.0)
+    results = [Float32(0.0) for _ in range(vectors)]
     for mt in cutlass.range_constexpr(rows // 16):
-        rAcc = cute.make_rmem_tensor((4, tiles), Float32)
+        rAcc = cute.make_rmem_tensor((4, tiles, parts), Float32)
         rAcc.fill(0.0)
         for j in cutlass.range_constexpr(steps // ppc):
             rWords0 = cute.make_rmem_tensor((4,), Uint32)
@@ -598,32 +700,45 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
             cute.autovec_copy(sWords[16 * mt + g, t + 4 * j, None], rWords0)
             cute.autovec_copy(sWords[16 * mt + g + 8, t + 4 * j, None], rWords1)
             for i in cutlass.range_constexpr(ppc):
-                step = j * ppc + i
-                nt = _step_tile(fmt, step)
                 lo0, hi0 = _piece_f16x2(fmt, rWords0, i)
                 lo1, hi1 = _piece_f16x2(fmt, rWords1, i)
-                for part in cutlass.range_constexpr(parts):
-                    d = mma_f16([rAcc[q, nt] for q in range(4)], [lo0, lo1, hi0, hi1],
-                                [rB[0, step, part], rB[1, step, part]])
-                    for q in cutlass.range_constexpr(4):
-                        rAcc[q, nt] = d[q]
+                for f in cutlass.range_constexpr(len(fragments)):
+                    if cutlass.const_expr(fragments[f][0] == j * ppc + i):
+                        nt = fragments[f][1]
+                        for p in cutlass.range_constexpr(parts):
+                            d = mma_f16([rAcc[q, nt, p] for q in range(4)], [lo0, lo1, hi0, hi1],
+                                        [rB[0, f, p], rB[1, f, p]])
+                            for q in cutlass.range_constexpr(4):
+                                rAcc[q, nt, p] = d[q]
         for half in cutlass.range_constexpr(2):
             row = 16 * mt + 8 * half + g
-            part = Float32(0.0)
+            sums = [Float32(0.0) for _ in range(vectors)]
             for nt in cutlass.range_constexpr(tiles):
                 first = 8 * nt + 2 * t  # the lane's columns first, first + 1
-                scales = None
+                block = first % columns
+                scales = (Float32(1.0), Float32(1.0))
                 if cutlass.const_expr(fmt.name == "fp8"):
-                    scales = (sScale[row, cutlass.min(first, blocks - 1)], sScale[row, cutlass.min(first + 1, blocks - 1)])
+                    scales = (sScale[row, cutlass.min(block, blocks - 1)], sScale[row, cutlass.min(block + 1, blocks - 1)])
                 if cutlass.const_expr(fmt.name == "nvfp4"):
-                    pair = cutlass.min(first, blocks - 2)
+                    pair = cutlass.min(block, blocks - 2)  # blocks and columns are even
                     scales = _e4m3_pair_values(Int32(sScale[row, pair]) | (Int32(sScale[row, pair + 1]) << 8))
                 for q in cutlass.range_constexpr(2):
-                    part = part + cutlass.select_(first + q < blocks, scales[q] * rAcc[2 * half + q, nt], Float32(0.0))
-            part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
-            part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
-            result = cutlass.select_(lane // 8 == 2 * mt + half, cute.arch.shuffle_sync(part, 4 * (lane % 8)), result)
-    return result * _f32_from_bits((127 - shift) << 23) * state_scale
+                    column = first + q
+                    term = rAcc[2 * half + q, nt, 0]
+                    for p in cutlass.range_constexpr(1, parts):
+                        term = term + rAcc[2 * half + q, nt, p]
+                    term = scales[q] * term
+                    in_tile = _tile_vectors(columns, vectors, nt)
+                    for i in cutlass.range_constexpr(len(in_tile)):
+                        v = in_tile[i]
+                        sums[v] = sums[v] + cutlass.select_((column // columns == v) & (column % columns < blocks),
+                                                            term, Float32(0.0))
+            for v in cutlass.range_constexpr(vectors):
+                total = sums[v] + cute.arch.shuffle_sync_bfly(sums[v], offset=1)
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                results[v] = cutlass.select_(lane // 8 == 2 * mt + half, cute.arch.shuffle_sync(total, 4 * (lane % 8)),
+                                             results[v])
+    return tuple(results[v] * state_scale for v in range(vectors))
 
 
 @cute.jit

@@ -13,7 +13,20 @@ import cutlass
 from ..common import pow2_at_least, smem_fit
 from ..config_space import config_space, launch_check
 from ..limits import MAX_CAPACITY
-from ..state_io import StateCopies
+from ..state_io import CopyFormat, StateCopies, mma_dots_error
+
+
+# The read copies whose rows the pipelined decode dots on CUDA cores by default, where they were
+# faster than on tensor cores (fp16 / fp8: 241 / 264 against 299 / 297 us; nvfp4, whose sm_90a
+# decode is software, 380 against 315 us). Qwen3.5-122B, batch 256, L = 16, non-flush steps on
+# the H200 (sweeps/results/README.md, "GDN read-copy row dots on tensor cores").
+CUDA_CORE_DOT_READS = ("fp16", "fp8")
+
+
+def rows_on_tensor_cores(fmt: Optional[CopyFormat], rows: int, vec: int) -> bool:
+    """Whether a GDN decode can dot ``rows`` rows of the read copy ``fmt`` with k and q on tensor
+    cores (state_io.mma_row_dots, k and q from lanes of ``vec`` values): any low-precision copy."""
+    return fmt is not None and mma_dots_error(fmt, rows, vec) is None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,11 @@ of CTAs loops over work items, one per (batch row, value head, half of the head'
   them, store the weighted dots in the stage and meet at their group's named barrier before reading them all.
 
 Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's box is its rows
-of the read copy (block scales and nvfp4's state scale by cp.async), decoded row by row on CUDA
-cores; a flushing item's stage holds no box: the producer prefetches its checkpoint rows into
+of the read copy (block scales and nvfp4's state scale by cp.async); a 16-row warp's rows meet the
+normalised k and q on tensor cores (``state_io.mma_row_dots``: the codes exact in fp16, k and q as
+fp16 hi + lo parts gathered from the lanes that hold them, k in MMA column 0 and q in column 1, or
+in an n-tile each for nvfp4's 8 blocks a row), where ``mma_dots``, else they are decoded row by
+row on CUDA cores; a flushing item's stage holds no box: the producer prefetches its checkpoint rows into
 L2, and each consumer warp loads its rows into registers, dots them, folds them and stores both
 copies (RTN; nvfp4's state scale reduced over the consumer warps, whole heads per item). Where the
 cache re-derives a flush's corrections (``flush_corrections="rederive"``), a flushing item's stage
@@ -52,6 +55,8 @@ The kernel takes this token's tensors as a ``GDNToken``, the records with the pl
 ``GDNRing`` and the read copy as a ``ReadCopy``.
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional
 
@@ -69,14 +74,29 @@ from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_st
                         copy_read_scales_async, copy_records_async, pipeline_check, producer_prefetch, publish_stage,
                         release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes,
                         wait_stage)
-from ..state_io import decode_slice, entry_tma, lane_amax, max_nan, smem_scale, store_copies, warps_state_scale
+from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, max_nan, mma_row_dots, smem_scale,
+                        store_copies, warps_state_scale)
 from .common import gdn_gates, normalize_qk
-from .config import GDNShape
+from .config import CUDA_CORE_DOT_READS, GDNShape, rows_on_tensor_cores
 from .decode import forward_substitution, key_gram, row_key_dots
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
 MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
+
+
+def kq_fragment_scales(q_scale: float):
+    """Powers of two that take the normalised k (|k_i| <= 1) and q (|q_i| <= q_scale) to at most
+    2^14 for their fp16 B fragments (state_io.lane_b_fragments)."""
+    return 2.0 ** 14, 2.0 ** (14 - math.ceil(math.log2(q_scale)))
+
+
+@cute.jit
+def row_totals(rRows: cute.Tensor, lr: Int32, rows_per_warp: cutlass.Constexpr[int]):
+    """(S k, S q) of the warp's row ``lr`` from each lane's partial dots ``rRows`` (2 per row)."""
+    rows = warp_reduce_many(rRows, 2 * rows_per_warp)
+    shift = 5 - (2 * rows_per_warp).bit_length() + 1
+    return (cute.arch.shuffle_sync(rows, (2 * lr) << shift), cute.arch.shuffle_sync(rows, (2 * lr + 1) << shift))
 
 
 class GDNToken(NamedTuple):
@@ -111,7 +131,9 @@ class GDNPipeConfig:
     the per-item latency, fewer repeat less of the per-warp work), ``prefetch`` items whose inputs
     the producer loads in one round (kernels/pipeline.py); ``consumer_groups`` groups of an item's
     consumer warps take turns at the items (group g the CTA's items g, g + G, ...), so that many
-    items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM."""
+    items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
+    ``mma_dots``: a read copy's rows meet k and q on tensor cores where ``rows_on_tensor_cores``
+    takes them, else on CUDA cores."""
 
     stages: int = 4
     ctas: int = 132
@@ -120,6 +142,7 @@ class GDNPipeConfig:
     prefetch: int = 4
     consumer_groups: int = 1
     min_ctas_per_sm: int = 0
+    mma_dots: bool = True
 
     def consumer_warps(self) -> int:
         """An item's consumer warps (one group's)."""
@@ -146,7 +169,7 @@ class GDNPipeConfig:
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
-                self.consumer_groups, self.min_ctas_per_sm)
+                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -184,7 +207,8 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
     ``shape``: one or two CTAs per SM, whole or half heads per item, 8- or 16-row consumer warps,
     one or two consumer groups (where an SM keeps at most 9 warps: more leave a consumer fewer
     than 168 registers, and the flush spills), the stage counts of PIPELINE_STAGE_CHOICES that fit
-    (multiples of the groups), the target's producer chunk; [] where it serves nothing."""
+    (multiples of the groups), the target's producer chunk, a read copy's row dots on tensor or
+    CUDA cores; [] where it serves nothing."""
     default = pipelined_config(shape, sm_count, arch)
     if default is None:
         return []
@@ -200,6 +224,8 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
                             continue
                         if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
                             configs.append(config)
+                            if rows_on_tensor_cores(shape.copies.read, rows_per_warp, shape.k_vec):
+                                configs.append(dataclasses.replace(config, mma_dots=False))
     return configs
 
 
@@ -207,15 +233,16 @@ def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNP
     """Whole heads per item where they take at most 8 consumer warps of 16 rows (the ring dots
     split over more warps, and more warps per SM to hide the per-item latency: on the H200,
     Qwen3.5-122B at batch 256, 303 us a layer against 353 for half heads), else half heads; as many
-    stages as fit (up to 6), one CTA per SM, the target's producer chunk; None if the kernel cannot
-    take `shape`."""
+    stages as fit (up to 6), one CTA per SM, the target's producer chunk, a read copy's row dots
+    on the unit measured faster for it (``CUDA_CORE_DOT_READS``); None if the kernel cannot take
+    `shape`."""
     V = shape.head_v_dim
     for rows in (V, V // 2):
         if rows % 16 or rows > 128:
             continue
         for stages in range(6, 1, -1):
             config = GDNPipeConfig(stages=stages, ctas=sm_count, rows_per_item=rows,
-                                   prefetch=producer_prefetch(arch))
+                                   prefetch=producer_prefetch(arch), mma_dots=shape.read_copy not in CUDA_CORE_DOT_READS)
             if config.check(shape) is None:
                 return config
     return None
@@ -297,6 +324,8 @@ class GDNPipelinedDecode:
         read = copies.read
         entry = copies.entry
         rederive = s.rederive
+        mma_reads = c.mma_dots and rows_on_tensor_cores(read, RW, vec)
+        kq_ups = kq_fragment_scales(s.q_scale)
         box_bytes = R * entry.row_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async
         k_per16 = 128 // act.width
@@ -457,7 +486,6 @@ class GDNPipelinedDecode:
             pos_per_warp = (cap + CW - 1) // CW
             n_dots = pow2_at_least(2 * pos_per_warp)
             dot_shift = 5 - (n_dots.bit_length() - 1)
-            row_shift = 5 - (2 * RW).bit_length() + 1
             it = Int32(0)
             for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
                 row = item // (HV * parts)
@@ -538,7 +566,10 @@ class GDNPipelinedDecode:
 
                     # S k and S q of the warp's rows (the checkpoint before this token): a flush
                     # holds its fp32 rows in registers (from the stage, or from global memory next
-                    # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation.
+                    # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation; a
+                    # read copy's rows meet k and q on tensor cores where they can.
+                    s_k = Float32(0.0)  # lane lr's row's totals
+                    s_q = Float32(0.0)
                     rRows = cute.make_rmem_tensor((2 * RW,), Float32)
                     rRows.fill(0.0)
                     rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
@@ -567,21 +598,32 @@ class GDNPipelinedDecode:
                                     cute.autovec_copy(cute.local_tile(
                                         mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,), (lane,)), rS)
                                 row_key_dots(rS, sRingK[None, None, stage], sSk[None, None, warp - 1], r, cap, vec, act)
-                    elif lane < KL:
+                    else:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read is not None and read.has_state_scale):
                             state_scale = sMetaF[READ_STATE_SCALE, stage]
-                        for r in cutlass.range_constexpr(RW):
-                            rS = cute.make_rmem_tensor((vec,), Float32)
-                            if cutlass.const_expr(read is None):
-                                cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
-                            else:
-                                scale = smem_scale(read, sReadScale, stage, r0 + r, lane * vec, state_scale)
-                                decode_slice(read, cute.local_tile(sState[r0 + r, None, stage], (read.per_lane(vec),),
-                                                                   (lane,)), scale, rS)
-                            for e in cutlass.range_constexpr(vec):
-                                rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
-                                rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+                        if cutlass.const_expr(mma_reads):
+                            sScaleRows = None
+                            if cutlass.const_expr(read.scale_dtype is not None):
+                                sScaleRows = cute.local_tile(sReadScale[None, None, stage], (RW, read.scales_per_row),
+                                                             (cw, 0))
+                            rB = lane_b_fragments(read, (rK, rQ), kq_ups)
+                            dots = mma_row_dots(read, cute.local_tile(sState[None, None, stage], (RW, entry.cols), (cw, 0)),
+                                                sScaleRows, rB, 2, state_scale)
+                            s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
+                            s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
+                        elif lane < KL:
+                            for r in cutlass.range_constexpr(RW):
+                                rS = cute.make_rmem_tensor((vec,), Float32)
+                                if cutlass.const_expr(read is None):
+                                    cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
+                                else:
+                                    scale = smem_scale(read, sReadScale, stage, r0 + r, lane * vec, state_scale)
+                                    decode_slice(read, cute.local_tile(sState[r0 + r, None, stage],
+                                                                       (read.per_lane(vec),), (lane,)), scale, rS)
+                                for e in cutlass.range_constexpr(vec):
+                                    rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
+                                    rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
                     if cutlass.const_expr(rederive):
                         if flush:
                             cute.arch.sync_warp()  # the warp's S_ckpt k_p
@@ -598,9 +640,11 @@ class GDNPipelinedDecode:
                         for p in cutlass.range_constexpr(cap):
                             ring_k = ring_k + sRingDot[0, p, stage] * rU[p]
                             ring_q = ring_q + sRingDot[1, p, stage] * rU[p]
-                    rows = warp_reduce_many(rRows, 2 * RW)
-                    s_k = cute.arch.shuffle_sync(rows, (2 * lr) << row_shift)
-                    s_q = cute.arch.shuffle_sync(rows, (2 * lr + 1) << row_shift)
+                    if cutlass.const_expr(mma_reads):
+                        if flush:
+                            s_k, s_q = row_totals(rRows, lr, RW)
+                    else:
+                        s_k, s_q = row_totals(rRows, lr, RW)
 
                     v_cur = sV[r0 + lr, stage]
                     u = beta * (v_cur - (gamma * s_k + ring_k))

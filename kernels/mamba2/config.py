@@ -13,7 +13,16 @@ import cutlass
 from ..common import pow2_at_least, smem_fit
 from ..config_space import config_space, launch_check
 from ..limits import MAX_CAPACITY
-from ..state_io import StateCopies
+from ..state_io import CopyFormat, StateCopies, mma_dots_error
+
+# fp16 rows stay on CUDA cores: nothing to decode, and the copy is near the byte rate (measured on
+# the H200, Nemotron-3-Super on the pipelined decode at batch 256, non-flush: 149 us, 157 on tensor cores)
+TENSOR_CORE_READS = ("fp8", "nvfp4")
+
+
+def rows_on_tensor_cores(fmt: Optional[CopyFormat], rows: int) -> bool:
+    """Whether a Mamba-2 decode dots ``rows`` rows of ``fmt`` with C on tensor cores (state_io.mma_row_dots)."""
+    return fmt is not None and fmt.name in TENSOR_CORE_READS and mma_dots_error(fmt, rows) is None
 
 
 @dataclass(frozen=True)

@@ -58,10 +58,10 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, slot_is_live,
                       softplus, warp_reduce_many, warp_sum)
-from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_dots_error,
-                        mma_row_dots, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
-                        store_copies, write_state_scales)
-from .config import Mamba2Config, Mamba2Shape
+from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_row_dots,
+                        prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads, store_copies,
+                        vector_b_fragments, write_state_scales)
+from .config import Mamba2Config, Mamba2Shape, rows_on_tensor_cores
 
 
 class Mamba2Decode:
@@ -316,12 +316,13 @@ class Mamba2Decode:
                         y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
                     if cutlass.const_expr(copies.whole_state):
                         write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, head)
-                elif cutlass.const_expr(mma_dots_error(entry_fmt, RW) is None):  # the rows' dots on tensor cores
+                elif cutlass.const_expr(rows_on_tensor_cores(entry_fmt, RW)):  # the rows' dots on tensor cores
                     sScaleRows = None
                     if cutlass.const_expr(entry_fmt.scale_dtype is not None):
                         sScaleRows = sEntryScale[None, None, warp]
-                    y_row = mma_row_dots(entry_fmt, sEntry[None, None, warp], sScaleRows, mC[row, group, None], rC,
-                                         entry_state_scale)
+                    rB, factor = vector_b_fragments(entry_fmt, mC[row, group, None], rC)
+                    y_row = factor * mma_row_dots(entry_fmt, sEntry[None, None, warp], sScaleRows, rB, 1,
+                                                  entry_state_scale)[0]
                 else:
                     for r in cutlass.range(RW, unroll=2):
                         rS = cute.make_rmem_tensor((vec,), Float32)

@@ -68,9 +68,9 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, READ_STATE_SCALE, ReadCopy
                         box_partition, copy_read_scales_async, copy_records_async, copy_rows_async, pipeline_check,
                         producer_prefetch, publish_stage, release_stage, residency_check, stage_barriers, stage_of, staged,
                         stages_smem_bytes, wait_stage)
-from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_dots_error,
-                        mma_row_dots, smem_scale, store_copies, warps_state_scale)
-from .config import Mamba2Shape
+from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, smem_scale,
+                        store_copies, vector_b_fragments, warps_state_scale)
+from .config import Mamba2Shape, rows_on_tensor_cores
 
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
@@ -540,13 +540,14 @@ class Mamba2PipelinedDecode:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read.has_state_scale):
                             state_scale = sMetaF[READ_STATE_SCALE, stage]
-                        if cutlass.const_expr(mma_dots_error(read, RW) is None):
+                        if cutlass.const_expr(rows_on_tensor_cores(read, RW)):
                             sScaleRows = None
                             if cutlass.const_expr(read.scale_dtype is not None):
                                 sScaleRows = cute.local_tile(sReadScale[None, None, stage], (RW, read.scales_per_row),
                                                              (cw, 0))
+                            rB, factor = vector_b_fragments(read, sC[None, stage], rC)
                             dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols), (cw, 0)),
-                                                   sScaleRows, sC[None, stage], rC, state_scale)
+                                                   sScaleRows, rB, 1, state_scale)[0] * factor
                         else:
                             for r in cutlass.range_constexpr(RW):
                                 rS = cute.make_rmem_tensor((vec,), Float32)

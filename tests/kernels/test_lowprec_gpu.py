@@ -240,24 +240,28 @@ def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_ti
 GDN_PIPELINED_READ_CONFIGS = [  # stages, ctas, rows per item, rows per warp, consumer groups
     (2, 3, 128, 16, 1), (3, 4, 128, 8, 1), (3, 5, 64, 16, 1), (4, 2, 32, 8, 1), (4, 3, 64, 16, 2), (2, 2, 128, 16, 2)]
 GDN_PIPELINED_READ_CASES = [  # an nvfp4 copy is written a whole head (V rows) at a time
-    (read, corrections) + config
+    (read, corrections) + config + (True,)
     for read, corrections in [("fp16", "rederive"), ("fp8", "rederive"), ("nvfp4", "rederive"), ("fp8", "fold"),
                               (None, "rederive")]
-    for config in GDN_PIPELINED_READ_CONFIGS if read != "nvfp4" or config[2] == V]
+    for config in GDN_PIPELINED_READ_CONFIGS if read != "nvfp4" or config[2] == V] + [
+    # 16-row warps with their read-copy rows on CUDA cores (the fp16 / fp8 default), the others on tensor cores
+    (read, "rederive", 2, 3, 128, 16, 1, False) for read in ("fp16", "fp8", "nvfp4")]
 
 
-@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups", GDN_PIPELINED_READ_CASES)
-def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups):
+@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots",
+                         GDN_PIPELINED_READ_CASES)
+def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots):
     """The pipelined GDN decode next to a read copy (or re-deriving on the fp32 checkpoint) on
     small grids: every CTA reuses its stages many times, with flushing items (no box: the
     checkpoint rows from global memory, re-derived corrections from the staged v and beta and the
     Gram matrix the consumer warps share) and non-flushing ones (the copy's rows) in the same
     ring, whole and partial heads, one or two consumer groups (each its own stages, named barrier
-    and re-derivation scratch; nvfp4's state scale reduced over one group's warps);
-    teacher-forced as above."""
+    and re-derivation scratch; nvfp4's state scale reduced over one group's warps), the copy's
+    rows dotted on tensor cores (16-row warps, ``mma_dots``) or CUDA cores; teacher-forced as
+    above."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
-    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups)
+    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups, mma_dots=mma_dots)
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, corrections), 4, "fp32", read, config)
 
 

@@ -14,6 +14,7 @@ from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
 from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
 from replayssm_cute.layers.common import PIPELINED_ENV
+from replayssm_cute.precompile import config_label
 
 from tests.kernels.test_kernels_compile import _ANSI, _env, _parse, ROOT
 
@@ -186,6 +187,11 @@ def test_gdn_consumer_groups_and_register_cap_checks():
         grouped_space = [c for c in space if c.consumer_groups == 2]
         assert grouped_space and all(c.stages % 2 == 0 and c.warps() * (c.ctas // 132) <= 9 for c in grouped_space)
         assert len({c.key() for c in space}) == len(space)
+        # a read copy's row dots are timed on both units where 16-row warps take the MMA, else not at all
+        cuda_dots = [c for c in space if not c.mma_dots]
+        assert all(c.rows_per_warp == 16 for c in cuda_dots) and bool(cuda_dots) == (shape is fp16)
+        assert len({config_label(c) for c in space}) == len(space)  # the precompile labels tell them apart
+    assert dataclasses.replace(base, mma_dots=False).key() != base.key()
 
 
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
@@ -277,6 +283,11 @@ def test_pipelined_kernels_build_for_every_arch(build):
             assert fold == ("_replay_" in label and "_read_" not in label), f"{label}: the fold's unit"
             dots = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
             assert dots == ("_read_fp8_" in label or "_read_nvfp4_" in label), f"{label}: the read copy's dots"
+        else:  # GDN: a read copy's rows meet k and q on tensor cores unless the config says CUDA cores
+            dots = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+            assert dots == ("_read_" in label and "_cudadots" not in label), f"{label}: the read copy's dots"
+            if "_read_" in label:  # the defaults: fp16 / fp8 rows on CUDA cores, nvfp4 on tensor cores
+                assert ("_cudadots" in label) == ("_read_nvfp4_" not in label), label
         if "_read_" in label:  # a flush next to a read copy has its checkpoint prefetched into L2
             assert "cp.async.bulk.prefetch.L2" in text, label
         assert ".local" not in text, f"{label}: local memory"

@@ -163,12 +163,66 @@ def test_mma_row_dots_pieces_cover_each_row_once_within_one_group_of_blocks(fmt_
             assert _piece_col(fmt, t, s) // fmt.block_k // 8 == _step_tile(fmt, s)
 
 
-def test_mma_row_dots_takes_fp8_and_nvfp4_rows_of_whole_tiles():
+def test_mma_row_dots_takes_low_precision_rows_of_whole_tiles():
+    from replayssm_cute.kernels.gdn.config import rows_on_tensor_cores as gdn_rows
+    from replayssm_cute.kernels.mamba2.config import rows_on_tensor_cores as mamba2_rows
     from replayssm_cute.kernels.state_io import CopyFormat, mma_dots_error
 
-    assert "CUDA cores" in mma_dots_error(CopyFormat("fp16", 128), 32)
+    assert mma_dots_error(CopyFormat("fp16", 128), 16) is None
     assert "CUDA cores" in mma_dots_error(CopyFormat("fp32", 128), 32)
+    # Mamba-2 keeps fp16 rows on CUDA cores (measured), GDN takes every read copy's
+    assert not mamba2_rows(CopyFormat("fp16", 128), 16) and mamba2_rows(CopyFormat("fp8", 128), 16)
+    assert all(gdn_rows(CopyFormat(f, 128), 16, 4) for f in ("fp16", "fp8", "nvfp4"))
+    assert not gdn_rows(None, 16, 4) and not gdn_rows(CopyFormat("fp8", 128), 8, 4)
+    assert "values per lane" in mma_dots_error(CopyFormat("fp16", 32), 16, 1)
+    assert "values per lane" in mma_dots_error(CopyFormat("fp16", 512), 16, 16)
     assert "16-row tiles" in mma_dots_error(CopyFormat("fp8", 128), 8)
     assert "16-row tiles" in mma_dots_error(CopyFormat("fp8", 128), 64)
     assert "multiple of 128" in mma_dots_error(CopyFormat("nvfp4", 64), 32)
     assert "multiple of 64" in mma_dots_error(CopyFormat("fp8", 96), 32)
+
+
+@pytest.mark.parametrize("fmt_name, K", [("fp16", 64), ("fp16", 128), ("fp16", 256), ("fp8", 128), ("fp8", 256),
+                                        ("fp8", 384), ("nvfp4", 128), ("nvfp4", 256)])
+@pytest.mark.parametrize("vectors", [1, 2])
+def test_mma_row_dots_columns_hold_each_block_of_each_vector_once(fmt_name, K, vectors):
+    """Vector v's scale block b is MMA column v x dot_columns + b (distinct columns, the blocks of
+    one vector never in another's); each k-step's MMAs (dot_fragments) meet the n-tile of every
+    vector's columns of the blocks its pieces read, and no other."""
+    from replayssm_cute.kernels.state_io import CopyFormat, _piece_col, _tile_vectors, dot_columns, dot_fragments
+
+    fmt = CopyFormat(fmt_name, K)
+    blocks = K // fmt.block_k
+    columns = dot_columns(fmt, vectors)
+    assert columns >= blocks
+    assert blocks * vectors > 8 or columns * vectors <= 8  # blocks that fit share one n-tile
+    cols = {(v, b): v * columns + b for v in range(vectors) for b in range(blocks)}
+    assert len(set(cols.values())) == len(cols)
+    fragments = dot_fragments(fmt, vectors)
+    assert len(set(fragments)) == len(fragments)
+    for step in range(K // 16):
+        read = {_piece_col(fmt, t, step) // fmt.block_k for t in range(4)}
+        want = {cols[v, b] // 8 for v in range(vectors) for b in read}
+        assert {tile for s, tile in fragments if s == step} == want
+        for tile in want:
+            assert set(_tile_vectors(columns, vectors, tile)) == {v for v in range(vectors) for b in read
+                                                                  if cols[v, b] // 8 == tile}
+
+
+@pytest.mark.parametrize("fmt_name, K", [("fp16", 64), ("fp16", 128), ("fp16", 256), ("fp8", 64), ("fp8", 128),
+                                        ("fp8", 256), ("nvfp4", 128), ("nvfp4", 256)])
+def test_lane_b_fragments_gather_each_piece_from_the_lane_that_holds_it(fmt_name, K):
+    """With each lane holding K / 32 consecutive values, lane 4 g + t's B values of k-step s
+    (its piece's values 2 half, 2 half + 1) are fp16 pair ``pair`` of lane a t + b."""
+    from replayssm_cute.kernels.state_io import CopyFormat, _b_source, _piece_col, mma_dots_error
+
+    fmt = CopyFormat(fmt_name, K)
+    vec = K // 32
+    assert mma_dots_error(fmt, 16, vec) is None
+    for step in range(K // 16):
+        for half in range(2):
+            a, b, pair = _b_source(fmt, vec, step, half)
+            for t in range(4):
+                lane = a * t + b
+                assert 0 <= lane < 32 and 0 <= pair < vec // 2
+                assert lane * vec + 2 * pair == _piece_col(fmt, t, step) + 2 * half
