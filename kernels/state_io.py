@@ -571,6 +571,18 @@ def _piece_f16x2(fmt: cutlass.Constexpr[CopyFormat], rWords: cute.Tensor, i: cut
 
 
 @cute.jit
+def _b_column(fmt: cutlass.Constexpr[CopyFormat], vectors: cutlass.Constexpr[int], step: cutlass.Constexpr[int],
+              tile: cutlass.Constexpr[int]):
+    """Lane 4 g + t's B column of n-tile ``tile`` at k-step ``step``: (its vector, whether its
+    scale block is the one the lane's piece of the k-step reads; ``dot_columns``)."""
+    lane = cute.arch.lane_idx()
+    columns = dot_columns(fmt, vectors)
+    column = 8 * tile + lane // 4
+    col = 4 * (16 // _piece_bytes(fmt)) * (lane % 4) + _piece_col(fmt, 0, step)
+    return column // columns, column % columns == col // fmt.block_k
+
+
+@cute.jit
 def vector_b_fragments(fmt: cutlass.Constexpr[CopyFormat], sC: cute.Tensor, rC: cute.Tensor):
     """(B fragments, factor) of one vector for ``mma_row_dots`` from ``sC`` (K,) in shared or
     global memory (activations; ``rC`` the lane's vec consecutive values of it as fp32): C scaled by a
@@ -578,7 +590,6 @@ def vector_b_fragments(fmt: cutlass.Constexpr[CopyFormat], sC: cute.Tensor, rC: 
     2^-29 of the largest for bf16; an fp16 C taken as is; fp32 as an fp16 hi + lo, 22 bits: two
     parts), and the factor that undoes the scaling."""
     lane = cute.arch.lane_idx()
-    g = lane // 4
     t = lane % 4
     ppc = 16 // _piece_bytes(fmt)
     act = sC.element_type
@@ -594,7 +605,8 @@ def vector_b_fragments(fmt: cutlass.Constexpr[CopyFormat], sC: cute.Tensor, rC: 
     for f in cutlass.range_constexpr(len(fragments)):
         step, tile = fragments[f]
         col = 4 * ppc * t + _piece_col(fmt, 0, step)
-        mine = 8 * tile + g == col // fmt.block_k
+        vector, same_block = _b_column(fmt, 1, step, tile)
+        mine = (vector == 0) & same_block
         for half in cutlass.range_constexpr(2):
             if cutlass.const_expr(act is Float16):
                 rB[half, f, 0] = cutlass.select_(mine, Int32(sCWords[col // 2 + half]), Int32(0))
@@ -632,12 +644,9 @@ def lane_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.
     before the first MMA, so that the shuffles' latencies overlap (gathered next to each MMA into
     one accumulator chain, the MMAs waited on them: Qwen3.5-122B nvfp4 at batch 256, 346 us
     against 315 this way, with the parts' chains apart)."""
-    lane = cute.arch.lane_idx()
-    g = lane // 4
-    t = lane % 4
+    t = cute.arch.lane_idx() % 4
     vectors = len(rVectors)
     vec = cute.size(rVectors[0])
-    ppc = 16 // _piece_bytes(fmt)
     columns = dot_columns(fmt, vectors)
     fragments = dot_fragments(fmt, vectors)
     rPairs = cute.make_rmem_tensor((vectors, 2, vec // 2), Int32)  # the lane's own values as packed parts
@@ -649,8 +658,7 @@ def lane_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.
     rB = cute.make_rmem_tensor((2, len(fragments), 2), Int32)
     for f in cutlass.range_constexpr(len(fragments)):
         step, tile = fragments[f]
-        column = 8 * tile + g  # vector column // columns, block column % columns
-        mine = column % columns == (4 * ppc * t + _piece_col(fmt, 0, step)) // fmt.block_k
+        vector, same_block = _b_column(fmt, vectors, step, tile)
         in_tile = _tile_vectors(columns, vectors, tile)
         for half in cutlass.range_constexpr(2):
             lanes_per_t, first_lane, pair = _b_source(fmt, vec, step, half)
@@ -658,7 +666,7 @@ def lane_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.
                 value = Int32(0)
                 for i in cutlass.range_constexpr(len(in_tile)):
                     got = cute.arch.shuffle_sync(rPairs[in_tile[i], p, pair], lanes_per_t * t + first_lane)
-                    value = cutlass.select_(mine & (column // columns == in_tile[i]), got, value)
+                    value = cutlass.select_(same_block & (vector == in_tile[i]), got, value)
                 rB[half, f, p] = value
     return rB
 

@@ -23,7 +23,7 @@ from ..state_io import CopyFormat, StateCopies, mma_dots_error
 CUDA_CORE_DOT_READS = ("fp16", "fp8")
 
 
-def rows_on_tensor_cores(fmt: Optional[CopyFormat], rows: int, vec: int) -> bool:
+def rows_fit_tensor_cores(fmt: Optional[CopyFormat], rows: int, vec: int) -> bool:
     """Whether a GDN decode can dot ``rows`` rows of the read copy ``fmt`` with k and q on tensor
     cores (state_io.mma_row_dots, k and q from lanes of ``vec`` values): any low-precision copy."""
     return fmt is not None and mma_dots_error(fmt, rows, vec) is None

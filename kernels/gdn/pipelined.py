@@ -77,7 +77,7 @@ from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_st
 from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, max_nan, mma_row_dots, smem_scale,
                         store_copies, warps_state_scale)
 from .common import gdn_gates, normalize_qk
-from .config import CUDA_CORE_DOT_READS, GDNShape, rows_on_tensor_cores
+from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
 from .decode import forward_substitution, key_gram, row_key_dots
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
@@ -132,7 +132,7 @@ class GDNPipeConfig:
     the producer loads in one round (kernels/pipeline.py); ``consumer_groups`` groups of an item's
     consumer warps take turns at the items (group g the CTA's items g, g + G, ...), so that many
     items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
-    ``mma_dots``: a read copy's rows meet k and q on tensor cores where ``rows_on_tensor_cores``
+    ``mma_dots``: a read copy's rows meet k and q on tensor cores where ``rows_fit_tensor_cores``
     takes them, else on CUDA cores."""
 
     stages: int = 4
@@ -224,7 +224,7 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
                             continue
                         if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
                             configs.append(config)
-                            if rows_on_tensor_cores(shape.copies.read, rows_per_warp, shape.k_vec):
+                            if rows_fit_tensor_cores(shape.copies.read, rows_per_warp, shape.k_vec):
                                 configs.append(dataclasses.replace(config, mma_dots=False))
     return configs
 
@@ -324,7 +324,7 @@ class GDNPipelinedDecode:
         read = copies.read
         entry = copies.entry
         rederive = s.rederive
-        mma_reads = c.mma_dots and rows_on_tensor_cores(read, RW, vec)
+        mma_reads = c.mma_dots and rows_fit_tensor_cores(read, RW, vec)
         kq_ups = kq_fragment_scales(s.q_scale)
         box_bytes = R * entry.row_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async

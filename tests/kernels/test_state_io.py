@@ -164,7 +164,7 @@ def test_mma_row_dots_pieces_cover_each_row_once_within_one_group_of_blocks(fmt_
 
 
 def test_mma_row_dots_takes_low_precision_rows_of_whole_tiles():
-    from replayssm_cute.kernels.gdn.config import rows_on_tensor_cores as gdn_rows
+    from replayssm_cute.kernels.gdn.config import rows_fit_tensor_cores as gdn_rows
     from replayssm_cute.kernels.mamba2.config import rows_on_tensor_cores as mamba2_rows
     from replayssm_cute.kernels.state_io import CopyFormat, mma_dots_error
 
