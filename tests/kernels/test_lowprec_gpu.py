@@ -254,7 +254,7 @@ def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_p
     """The pipelined GDN decode next to a read copy (or re-deriving on the fp32 checkpoint) on
     small grids: every CTA reuses its stages many times, with flushing items (no box: the
     checkpoint rows from global memory, re-derived corrections from the staged v and beta and the
-    Gram matrix the consumer warps share) and non-flushing ones (the copy's rows) in the same
+    records' coupling the consumer warps share) and non-flushing ones (the copy's rows) in the same
     ring, whole and partial heads, one or two consumer groups (each its own stages, named barrier
     and re-derivation scratch; nvfp4's state scale reduced over one group's warps), the copy's
     rows dotted on tensor cores (16-row warps, ``mma_dots``) or CUDA cores; teacher-forced as

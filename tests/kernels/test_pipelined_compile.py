@@ -149,7 +149,7 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and the Gram matrix
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and the records' coupling
     config = gdn_pipe.GDNPipeConfig(4, 132, 128)
     assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages

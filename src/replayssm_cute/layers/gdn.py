@@ -22,8 +22,9 @@ from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_ge
 # The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
 # batch 8, where it was measured level with or faster than the tile kernels (sweeps/results/README.md); the
 # conventional step, smaller batches and caches with v / beta records (read copies, re-derived corrections)
-# keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1: next to a read copy its non-flush steps are
-# faster but its re-deriving flushes slower, and the window mean was slower at batch 256.
+# keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1. Next to a read copy the pipeline's window mean is
+# now the faster from batch 32 (sweeps/results/README.md, "GDN re-deriving flush"); it becomes the default
+# there once the shipped tuned file holds its configs for every registry model (tests/tools/test_shipped_tuned.py).
 PIPELINED_MIN_BATCH = 8
 
 
