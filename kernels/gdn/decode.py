@@ -84,6 +84,27 @@ def ring_sums(sCoef: cute.Tensor, rU: cute.Tensor, origin: Int32, h: Int32, cap:
 
 
 @cute.jit
+def key_pair_dots(sKeys: cute.Tensor, b: Int32, cap: cutlass.Constexpr[int], vec: cutlass.Constexpr[int],
+                  act: cutlass.Constexpr) -> Float32:
+    """k_p . k_q of the 32 position pairs b * 32 .. b * 32 + 31 (pair = p * cap + q; past cap^2 the
+    last pair again): lane l returns pair b * 32 + l."""
+    lane = cute.arch.lane_idx()
+    n_pairs = cap * cap
+    rPart = cute.make_rmem_tensor((32,), Float32)
+    for t in cutlass.range_constexpr(32):
+        pair = cutlass.min(b * 32 + t, n_pairs - 1)
+        rKp = cute.make_rmem_tensor((vec,), act)
+        rKq = cute.make_rmem_tensor((vec,), act)
+        cute.autovec_copy(cute.local_tile(sKeys[pair // cap, None], (vec,), (lane,)), rKp)
+        cute.autovec_copy(cute.local_tile(sKeys[pair % cap, None], (vec,), (lane,)), rKq)
+        acc = Float32(0.0)
+        for e in cutlass.range_constexpr(vec):
+            acc = acc + rKp[e].to(Float32) * rKq[e].to(Float32)
+        rPart[t] = acc
+    return warp_reduce_many(rPart, 32)
+
+
+@cute.jit
 def key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, worker: Int32, workers: cutlass.Constexpr[int],
              cap: cutlass.Constexpr[int], vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
     """sGram[p, q] = k_p . k_q for every pair of ring positions, 32 pairs per warp pass, split
@@ -94,18 +115,7 @@ def key_gram(sKeys: cute.Tensor, sGram: cute.Tensor, worker: Int32, workers: cut
     for bb in cutlass.range_constexpr((n_batch + workers - 1) // workers):
         b = bb * workers + worker
         if b < n_batch:
-            rPart = cute.make_rmem_tensor((32,), Float32)
-            for t in cutlass.range_constexpr(32):
-                pair = cutlass.min(b * 32 + t, n_pairs - 1)
-                rKp = cute.make_rmem_tensor((vec,), act)
-                rKq = cute.make_rmem_tensor((vec,), act)
-                cute.autovec_copy(cute.local_tile(sKeys[pair // cap, None], (vec,), (lane,)), rKp)
-                cute.autovec_copy(cute.local_tile(sKeys[pair % cap, None], (vec,), (lane,)), rKq)
-                acc = Float32(0.0)
-                for e in cutlass.range_constexpr(vec):
-                    acc = acc + rKp[e].to(Float32) * rKq[e].to(Float32)
-                rPart[t] = acc
-            total = warp_reduce_many(rPart, 32)  # lane l: pair b * 32 + l
+            total = key_pair_dots(sKeys, b, cap, vec, act)
             if b * 32 + lane < n_pairs:
                 sGram[(b * 32 + lane) // cap, (b * 32 + lane) % cap] = total
 

@@ -81,6 +81,7 @@ from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, ma
                         store_copies, warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
+from .decode import key_pair_dots
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
@@ -121,18 +122,7 @@ def solve_matrix(sKeys: cute.Tensor, sSolve: cute.Tensor, g_j: Float32, beta_lan
     for bb in cutlass.range_constexpr((n_batch + workers - 1) // workers):
         b = bb * workers + worker
         if b < n_batch:
-            rPart = cute.make_rmem_tensor((32,), Float32)
-            for t in cutlass.range_constexpr(32):
-                pair = cutlass.min(b * 32 + t, n_pairs - 1)
-                rKp = cute.make_rmem_tensor((vec,), act)
-                rKq = cute.make_rmem_tensor((vec,), act)
-                cute.autovec_copy(cute.local_tile(sKeys[pair // cap, None], (vec,), (lane,)), rKp)
-                cute.autovec_copy(cute.local_tile(sKeys[pair % cap, None], (vec,), (lane,)), rKq)
-                acc = Float32(0.0)
-                for e in cutlass.range_constexpr(vec):
-                    acc = acc + rKp[e].to(Float32) * rKq[e].to(Float32)
-                rPart[t] = acc
-            total = warp_reduce_many(rPart, 32)  # lane l: pair b * 32 + l
+            total = key_pair_dots(sKeys, b, cap, vec, act)  # lane l: pair b * 32 + l
             pair = b * 32 + lane
             i = (pair // cap - origin + cap) % cap  # the records at the pair's two positions
             j = (pair % cap - origin + cap) % cap
