@@ -222,6 +222,30 @@ def warp_sum(val: Float32) -> Float32:
 
 
 @cute.jit
+def lane_prefix_sum(value: Float32) -> Float32:
+    """Inclusive scan over the warp's lanes: lane l returns the sum of lanes 0 .. l (5 shuffles)."""
+    lane = cute.arch.lane_idx()
+    total = value
+    for t in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(total, 1 << t)
+        if lane >= (1 << t):
+            total = total + other
+    return total
+
+
+@cute.jit
+def lane_suffix_sum(value: Float32) -> Float32:
+    """Reversed inclusive scan over the warp's lanes: lane l returns the sum of lanes l .. 31."""
+    lane = cute.arch.lane_idx()
+    total = value
+    for t in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_down(total, 1 << t)
+        if lane + (1 << t) < 32:
+            total = total + other
+    return total
+
+
+@cute.jit
 def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
     """Sum each of n per-lane values (a power of two up to 32) over the warp in n - 1 + 5 - log2(n)
     shuffles instead of 5 n: every step halves the values a lane carries and trades the other

@@ -60,8 +60,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, pow2_at_least,
-                      slot_is_live, warp_reduce_many)
+from ..common import (after_previous_kernel, clear_stale_record, lane_prefix_sum, lane_suffix_sum, launch_tiles,
+                      planned_positions, pow2_at_least, slot_is_live, warp_reduce_many)
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
                         store_copies, write_state_scales)
@@ -166,6 +166,17 @@ def rederive_corrections(sKeys: cute.Tensor, sGram: cute.Tensor, sSk: cute.Tenso
 
 
 @cute.jit
+def rederived_by_position(sUre: cute.Tensor, rU: cute.Tensor, origin: Int32, h: Int32, lr: Int32,
+                          cap: cutlass.Constexpr[int]):
+    """``rU``: the re-derived u of this lane's row (``sUre``, by record, written by this warp) by
+    ring position, zero at stale positions (never a NaN's product)."""
+    cute.arch.sync_warp()
+    for p in cutlass.range_constexpr(cap):
+        j = (p - origin + cap) % cap
+        rU[p] = cutlass.select_(j < h, sUre[j, lr], Float32(0.0))
+
+
+@cute.jit
 def forward_substitution(sGram: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor, sUre: cute.Tensor, beta_lane: Float32,
                          rU: cute.Tensor, g_j: Float32, origin: Int32, h: Int32, rows: cutlass.Constexpr[int],
                          cap: cutlass.Constexpr[int]):
@@ -179,11 +190,7 @@ def forward_substitution(sGram: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor, 
     lane = cute.arch.lane_idx()
     lr = lane % rows
     # Record scalars by record index, in every lane's registers: P_j (inclusive prefix of g), beta_j.
-    prefix = g_j
-    for t in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(prefix, 1 << t)
-        if lane >= (1 << t):
-            prefix = prefix + other
+    prefix = lane_prefix_sum(g_j)
     alpha_lane = cute.math.exp(g_j, fastmath=False)
     rPre = cute.make_rmem_tensor((cap,), Float32)
     rBeta = cute.make_rmem_tensor((cap,), Float32)
@@ -210,10 +217,7 @@ def forward_substitution(sGram: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor, 
                     p_i = cutlass.select_(origin + i >= cap, origin + i - cap, origin + i)
                     acc = acc + decay * sGram[p_i, p] * sUre[i, lr]
             sUre[j, lr] = rBeta[j] * (sV[p, lr].to(Float32) - acc)
-    cute.arch.sync_warp()
-    for p in cutlass.range_constexpr(cap):
-        j = (p - origin + cap) % cap
-        rU[p] = cutlass.select_(j < h, sUre[j, lr], Float32(0.0))  # zero where stale: never a NaN's product
+    rederived_by_position(sUre, rU, origin, h, lr, cap)
 
 
 class GDNDecode:
@@ -408,11 +412,7 @@ class GDNDecode:
                 g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
                 if lane < h:
                     g_j = g_rec
-            tail = g_j
-            for t in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_down(tail, 1 << t)
-                if lane + (1 << t) < 32:
-                    tail = tail + other
+            tail = lane_suffix_sum(g_j)
             w_j = cute.math.exp(tail - g_j, fastmath=False)
             gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

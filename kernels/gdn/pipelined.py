@@ -69,8 +69,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, launch, load_past_l1, pow2_at_least, prefetch_l2, slot_is_live, smem_fit,
-                      warp_reduce_many)
+from ..common import (after_previous_kernel, lane_prefix_sum, lane_suffix_sum, launch, load_past_l1, pow2_at_least,
+                      prefetch_l2, slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
@@ -81,7 +81,7 @@ from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, ma
                         store_copies, warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
-from .decode import key_pair_dots
+from .decode import key_pair_dots, rederived_by_position
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
@@ -174,11 +174,7 @@ def coupled_substitution(sSolve: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor,
     282 us in one call), while the pipeline's flush gains 1.3-1.65x from it."""
     lane = cute.arch.lane_idx()
     lr = lane % rows
-    prefix = g_j  # inclusive prefix sums P_j across lanes
-    for t in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(prefix, 1 << t)
-        if lane >= (1 << t):
-            prefix = prefix + other
+    prefix = lane_prefix_sum(g_j)  # inclusive prefix sums P_j across lanes
     ckpt_lane = beta_lane * cute.math.exp(prefix, fastmath=False)  # lane j: beta_j e^{P_j}
 
     # Each record's right-hand side beta_j (v_j - e^{P_j} S_ckpt k_j), then the records in order:
@@ -198,10 +194,7 @@ def coupled_substitution(sSolve: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor,
                 cute.autovec_copy(sSolve[j, None], rCoupling)
                 for later in cutlass.range_constexpr(j + 1, cap):
                     rRhs[later] = rRhs[later] - rCoupling[later] * rRhs[j]
-    cute.arch.sync_warp()
-    for p in cutlass.range_constexpr(cap):
-        j = (p - origin + cap) % cap
-        rU[p] = cutlass.select_(j < h, sUre[j, lr], Float32(0.0))  # zero where stale: never a NaN's product
+    rederived_by_position(sUre, rU, origin, h, lr, cap)
 
 
 class GDNToken(NamedTuple):
@@ -635,11 +628,7 @@ class GDNPipelinedDecode:
                         g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
                         if lane < h:
                             g_j = g_rec
-                    tail = g_j
-                    for t in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_down(tail, 1 << t)
-                        if lane + (1 << t) < 32:
-                            tail = tail + other
+                    tail = lane_suffix_sum(g_j)
                     w_j = cute.math.exp(tail - g_j, fastmath=False)
                     gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
@@ -648,9 +637,10 @@ class GDNPipelinedDecode:
                     # cw, cw + CW, ... (a lane's value 2 i / 2 i + 1: k_p . k / k_p . q of its i-th
                     # position); a re-deriving flush's warps also split the records' coupling.
                     rU = cute.make_rmem_tensor((cap,), Float32)
-                    beta_lane = Float32(0.0)  # lane j: beta of record j, where a flush re-derives
+                    beta_lane = Float32(0.0)  # lane j: beta of record j, read only where a flush re-derives
                     if cutlass.const_expr(rederive):
-                        beta_lane = cutlass.select_(lane < h, sRingBeta[(origin + lane) % cap, stage], Float32(0.0))
+                        if flush and lane < h:
+                            beta_lane = sRingBeta[(origin + lane) % cap, stage]
                     if cutlass.const_expr(ring):
                         for p in cutlass.range_constexpr(cap):
                             rU[p] = sRingU[p, r0 + lr, stage].to(Float32)

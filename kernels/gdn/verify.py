@@ -56,7 +56,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
-                      launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
+                      lane_prefix_sum, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
                       rows_times_columns, slot_is_live, smem_fit, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
@@ -300,11 +300,7 @@ class GDNVerify(DraftStepKernel):
                                         mALog[vhead].to(Float32), mDtBias[vhead].to(Float32))
                 g_j = g_d
                 beta_j = beta_d
-            prefix = g_j  # inclusive prefix sums P_j across lanes
-            for k in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(prefix, 1 << k)
-                if lane >= (1 << k):
-                    prefix = prefix + other
+            prefix = lane_prefix_sum(g_j)  # inclusive prefix sums P_j across lanes
             cute.arch.sync_threads()
 
             # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns per warp GEMM, weighted.

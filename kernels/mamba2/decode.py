@@ -56,8 +56,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, slot_is_live,
-                      softplus, warp_reduce_many, warp_sum)
+from ..common import (after_previous_kernel, clear_stale_record, lane_suffix_sum, launch_tiles, planned_positions,
+                      slot_is_live, softplus, warp_reduce_many, warp_sum)
 from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_row_dots,
                         prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads, store_copies,
                         vector_b_fragments, write_state_scales)
@@ -231,11 +231,7 @@ class Mamba2Decode:
                 if lane < h:
                     dt_j = dt_rec
             # Suffix sums over records (j, h] by a reversed inclusive scan across lanes.
-            tail = dt_j
-            for k in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_down(tail, 1 << k)
-                if lane + (1 << k) < 32:
-                    tail = tail + other
+            tail = lane_suffix_sum(dt_j)
             w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
             gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -60,8 +60,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, launch, load_past_l1, pow2_at_least,
-                      prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
+from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_suffix_sum, launch, load_past_l1,
+                      pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, as_row,
@@ -512,11 +512,7 @@ class Mamba2PipelinedDecode:
                         dt_rec = sRingDt[(origin + lane) % cap, stage]
                         if lane < h:
                             dt_j = dt_rec
-                    tail = dt_j
-                    for k in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_down(tail, 1 << k)
-                        if lane + (1 << k) < 32:
-                            tail = tail + other
+                    tail = lane_suffix_sum(dt_j)
                     w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
                     gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

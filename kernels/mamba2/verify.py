@@ -60,7 +60,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
-                      launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
+                      lane_prefix_sum, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
                       rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
@@ -268,11 +268,7 @@ class Mamba2Verify(DraftStepKernel):
                     dt_j = dt_j + mDtBias[head].to(Float32)
                 if cutlass.const_expr(s.dt_softplus):
                     dt_j = softplus(dt_j)
-            prefix = dt_j  # inclusive prefix sums P_j across lanes
-            for k in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(prefix, 1 << k)
-                if lane >= (1 << k):
-                    prefix = prefix + other
+            prefix = lane_prefix_sum(dt_j)  # inclusive prefix sums P_j across lanes
             cute.arch.sync_threads()
 
             # Dots (q, t) = B_q . C_t, 16 columns q per warp GEMM, weighted into sDot.
