@@ -20,16 +20,20 @@ from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_ge
                      whole_head)
 
 # The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
-# batch 8, where it was measured level with or faster than the tile kernels (sweeps/results/README.md); the
-# conventional step, smaller batches and caches with v / beta records (read copies, re-derived corrections)
-# keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1. Next to a read copy the pipeline's window mean is
-# now the faster from batch 32 (sweeps/results/README.md, "GDN re-deriving flush"); it becomes the default
-# there once the shipped tuned file holds its configs for every registry model (tests/tools/test_shipped_tuned.py).
+# batch 8 and next to a read copy (v / beta records, re-derived corrections) from batch 32, where it was measured
+# level with or faster than the tile kernels (sweeps/results/README.md: "GDN re-deriving flush", "GDN read
+# copies on the pipeline by default"); the conventional step, smaller batches and an fp32 read with v / beta
+# records keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1.
 PIPELINED_MIN_BATCH = 8
+PIPELINED_READ_COPY_MIN_BATCH = 32
 
 
 def pipelined_by_default(shape, bucket: int) -> bool:
-    return shape.window > 1 and bucket >= PIPELINED_MIN_BATCH and not shape.keep_v_beta
+    if shape.window == 1:
+        return False
+    if shape.read_copy is not None:
+        return bucket >= PIPELINED_READ_COPY_MIN_BATCH
+    return bucket >= PIPELINED_MIN_BATCH and not shape.keep_v_beta
 
 
 class GDNInputs(NamedTuple):
