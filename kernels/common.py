@@ -222,25 +222,20 @@ def warp_sum(val: Float32) -> Float32:
 
 
 @cute.jit
-def lane_prefix_sum(value: Float32) -> Float32:
-    """Inclusive scan over the warp's lanes: lane l returns the sum of lanes 0 .. l (5 shuffles)."""
+def lane_scan(value: Float32, reverse: cutlass.Constexpr[bool] = False) -> Float32:
+    """Inclusive scan over the warp's lanes (5 shuffles): lane l returns the sum of lanes 0 .. l,
+    or with ``reverse`` the sum of lanes l .. 31."""
     lane = cute.arch.lane_idx()
     total = value
     for t in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(total, 1 << t)
-        if lane >= (1 << t):
-            total = total + other
-    return total
-
-
-@cute.jit
-def lane_suffix_sum(value: Float32) -> Float32:
-    """Reversed inclusive scan over the warp's lanes: lane l returns the sum of lanes l .. 31."""
-    lane = cute.arch.lane_idx()
-    total = value
-    for t in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_down(total, 1 << t)
-        if lane + (1 << t) < 32:
+        step = 1 << t
+        if cutlass.const_expr(reverse):
+            other = cute.arch.shuffle_sync_down(total, step)
+            live = lane + step < 32
+        else:
+            other = cute.arch.shuffle_sync_up(total, step)
+            live = lane >= step
+        if live:
             total = total + other
     return total
 

@@ -60,8 +60,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, clear_stale_record, lane_prefix_sum, lane_suffix_sum, launch_tiles,
-                      planned_positions, pow2_at_least, slot_is_live, warp_reduce_many)
+from ..common import (after_previous_kernel, clear_stale_record, lane_scan, launch_tiles, planned_positions,
+                      pow2_at_least, slot_is_live, warp_reduce_many)
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
                         store_copies, write_state_scales)
@@ -190,7 +190,7 @@ def forward_substitution(sGram: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor, 
     lane = cute.arch.lane_idx()
     lr = lane % rows
     # Record scalars by record index, in every lane's registers: P_j (inclusive prefix of g), beta_j.
-    prefix = lane_prefix_sum(g_j)
+    prefix = lane_scan(g_j)
     alpha_lane = cute.math.exp(g_j, fastmath=False)
     rPre = cute.make_rmem_tensor((cap,), Float32)
     rBeta = cute.make_rmem_tensor((cap,), Float32)
@@ -412,7 +412,7 @@ class GDNDecode:
                 g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
                 if lane < h:
                     g_j = g_rec
-            tail = lane_suffix_sum(g_j)
+            tail = lane_scan(g_j, reverse=True)
             w_j = cute.math.exp(tail - g_j, fastmath=False)
             gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -69,8 +69,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, lane_prefix_sum, lane_suffix_sum, launch, load_past_l1, pow2_at_least,
-                      prefetch_l2, slot_is_live, smem_fit, warp_reduce_many)
+from ..common import (after_previous_kernel, lane_scan, launch, load_past_l1, pow2_at_least, prefetch_l2,
+                      slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
@@ -174,7 +174,7 @@ def coupled_substitution(sSolve: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor,
     282 us in one call), while the pipeline's flush gains 1.3-1.65x from it."""
     lane = cute.arch.lane_idx()
     lr = lane % rows
-    prefix = lane_prefix_sum(g_j)  # inclusive prefix sums P_j across lanes
+    prefix = lane_scan(g_j)  # inclusive prefix sums P_j across lanes
     ckpt_lane = beta_lane * cute.math.exp(prefix, fastmath=False)  # lane j: beta_j e^{P_j}
 
     # Each record's right-hand side beta_j (v_j - e^{P_j} S_ckpt k_j), then the records in order:
@@ -628,7 +628,7 @@ class GDNPipelinedDecode:
                         g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
                         if lane < h:
                             g_j = g_rec
-                    tail = lane_suffix_sum(g_j)
+                    tail = lane_scan(g_j, reverse=True)
                     w_j = cute.math.exp(tail - g_j, fastmath=False)
                     gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

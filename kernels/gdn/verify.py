@@ -56,8 +56,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
-                      lane_prefix_sum, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
-                      rows_times_columns, slot_is_live, smem_fit, verify_check)
+                      lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
+                      round_up, rows_times_columns, slot_is_live, smem_fit, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
@@ -300,7 +300,7 @@ class GDNVerify(DraftStepKernel):
                                         mALog[vhead].to(Float32), mDtBias[vhead].to(Float32))
                 g_j = g_d
                 beta_j = beta_d
-            prefix = lane_prefix_sum(g_j)  # inclusive prefix sums P_j across lanes
+            prefix = lane_scan(g_j)  # inclusive prefix sums P_j across lanes
             cute.arch.sync_threads()
 
             # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns per warp GEMM, weighted.

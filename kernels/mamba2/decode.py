@@ -56,7 +56,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, clear_stale_record, lane_suffix_sum, launch_tiles, planned_positions,
+from ..common import (after_previous_kernel, clear_stale_record, lane_scan, launch_tiles, planned_positions,
                       slot_is_live, softplus, warp_reduce_many, warp_sum)
 from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_row_dots,
                         prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads, store_copies,
@@ -231,7 +231,7 @@ class Mamba2Decode:
                 if lane < h:
                     dt_j = dt_rec
             # Suffix sums over records (j, h] by a reversed inclusive scan across lanes.
-            tail = lane_suffix_sum(dt_j)
+            tail = lane_scan(dt_j, reverse=True)
             w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
             gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

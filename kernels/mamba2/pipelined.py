@@ -60,7 +60,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_suffix_sum, launch, load_past_l1,
+from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_scan, launch, load_past_l1,
                       pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
@@ -512,7 +512,7 @@ class Mamba2PipelinedDecode:
                         dt_rec = sRingDt[(origin + lane) % cap, stage]
                         if lane < h:
                             dt_j = dt_rec
-                    tail = lane_suffix_sum(dt_j)
+                    tail = lane_scan(dt_j, reverse=True)
                     w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
                     gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -60,8 +60,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
-                      lane_prefix_sum, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions, round_up,
-                      rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
+                      lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
+                      round_up, rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
 from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .config import Mamba2Config, Mamba2Shape
@@ -268,7 +268,7 @@ class Mamba2Verify(DraftStepKernel):
                     dt_j = dt_j + mDtBias[head].to(Float32)
                 if cutlass.const_expr(s.dt_softplus):
                     dt_j = softplus(dt_j)
-            prefix = lane_prefix_sum(dt_j)  # inclusive prefix sums P_j across lanes
+            prefix = lane_scan(dt_j)  # inclusive prefix sums P_j across lanes
             cute.arch.sync_threads()
 
             # Dots (q, t) = B_q . C_t, 16 columns q per warp GEMM, weighted into sDot.
