@@ -88,20 +88,3 @@ def test_every_shipped_entry_is_valid_for_its_kernel():
         config = (pipe if "stages" in fields else tile)(**fields)
         assert t.check(config) is None, f"entry {i} ({model.name} {entry['mode']} b={batch}): {config}"
 
-
-@pytest.mark.parametrize("read", [None, "fp16", "fp8", "nvfp4"])
-def test_gdn_replayssm_decode_runs_the_pipeline_where_it_was_measured_faster(read):
-    """On an H200, GDN ReplaySSM decode picks the pipelined kernel on the plain fp32 cache from
-    the batch-8 bucket and next to a read copy from the batch-32 bucket (tile kernels below), and
-    the conventional step stays on the tile kernels."""
-    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
-
-    first = 8 if read is None else 32
-    replay = _target("qwen3.5-122b", "standard", 0, read)
-    conventional = _target("qwen3.5-122b", "conventional", 0, None)
-    with launch.use_platform(_h200()):
-        for b in tuning.BATCH_BUCKETS:
-            config, _ = launch.picked_config(replay.kernel, replay.shape(), b)
-            assert isinstance(config, GDNPipeConfig) == (b >= first), (read, b, config)
-            config, _ = launch.picked_config(conventional.kernel, conventional.shape(), b)
-            assert not isinstance(config, GDNPipeConfig), (b, config)
