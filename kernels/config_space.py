@@ -41,7 +41,7 @@ LAUNCH_FIELDS = ("rows_per_cta", "num_warps", "min_ctas_per_sm")
 # The pipelined decode kernels' configs (kernels/*/pipelined.py) share these; a tuned-file entry
 # is one of theirs when its config has "stages" (``pipelined_launch_check``).
 PIPELINED_FIELDS = ("stages", "ctas", "prefetch")
-PIPELINED_BOOL_FIELDS = ("mma_fold", "flush_tile", "mma_dots")
+PIPELINED_BOOL_FIELDS = ("mma_fold", "flush_tile", "mma_dots", "mma_flush")
 PIPELINE_STAGE_CHOICES = (2, 3, 4, 5, 6, 8, 10, 12, 16)  # the tuner's stage counts
 MAX_STAGES = 16
 MAX_CTAS = 4096

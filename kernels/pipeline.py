@@ -25,6 +25,7 @@ PREFETCH_BY_ARCH = {"sm_90a": 4}
 PREFETCH_OTHER = 2
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
 CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
+META_SLOT, META_H, META_ORIGIN = 0, 1, 2  # a stage's int32 scalars: the item's slot and plan (h, origin)
 READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 read copy's state scale
 MAX_CONSUMER_GROUPS = 8  # named barriers CONSUMER_BARRIER .. + 7, one per group
 MAX_WARPS = 32  # a CTA's warps: the producer and every group's consumers
@@ -79,12 +80,13 @@ def residency_check(stages: int, consumer_groups: int, warps: int, min_ctas_per_
     return None
 
 
-def staged(smem, dtype, dims: tuple, stages: int, byte_alignment: int = 16) -> cute.Tensor:
-    """A shared-memory tensor ``dims + (stages,)``: one row-major ``dims`` block per stage."""
+def staged(smem, dtype, dims: tuple, stages: int, byte_alignment: int = 16, row_pad: int = 0) -> cute.Tensor:
+    """A shared-memory tensor ``dims + (stages,)``: one row-major ``dims`` block per stage, its
+    innermost rows ``row_pad`` elements apart (to spread column reads over the banks)."""
     strides, step = [], 1
-    for d in reversed(dims):
+    for i, d in enumerate(reversed(dims)):
         strides.insert(0, step)
-        step *= d
+        step *= d + (row_pad if i == 0 else 0)
     return smem.allocate_tensor(dtype, cute.make_layout(tuple(dims) + (stages,), stride=tuple(strides) + (step,)),
                                 byte_alignment=byte_alignment)
 

@@ -923,18 +923,29 @@ def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mC
                  mReadScale, slot: Int64, head: Int32, row: Int32, state_scale: Float32, key: Uint32):
     """One fp32 state row (the lane's ``values``), cast independently into each copy: SR into a
     low-precision checkpoint, RTN into the read copy (``encode_store``)."""
+    store_copies_at(copies, values, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot, head, row,
+                    cute.arch.lane_idx() * cute.size(values), state_scale, key)
+
+
+@cute.jit
+def store_copies_at(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, mCheckpointScale, mRead,
+                    mReadScale, slot: Int64, head: Int32, row: Int32, col: Int32, state_scale: Float32, key: Uint32,
+                    read_block_amax=None):
+    """``store_copies`` of the lane's ``values`` at columns ``col ..`` of the row (a multiple of
+    their count), for lanes that do not split a row in lane order: a scale block's lanes are
+    aligned groups of consecutive lanes (``encode_store``), or the caller gives the read copy's
+    block amax (``read_block_amax``: a block wider than the lanes' pieces)."""
     vec = cute.size(values)
-    lane = cute.arch.lane_idx()
     rows_per_head = mCheckpoint.shape[2]
-    first = (head * rows_per_head + row) * copies.K + lane * vec  # the flat index of the SR bits
+    first = (head * rows_per_head + row) * copies.K + col  # the flat index of the SR bits
     ckpt = copies.checkpoint
     encode_store(ckpt, copies.stochastic, values, cute.local_tile(
-        mCheckpoint[slot, head, row, None], (ckpt.per_lane(vec),), (lane,)), mCheckpointScale, slot, head, row,
-        lane * vec, state_scale, key, first)
+        mCheckpoint[slot, head, row, None], (ckpt.per_lane(vec),), (col // vec,)), mCheckpointScale, slot, head, row,
+        col, state_scale, key, first)
     if cutlass.const_expr(copies.separate):
         encode_store(copies.read, False, values, cute.local_tile(
-            mRead[slot, head, row, None], (copies.read.per_lane(vec),), (lane,)), mReadScale, slot, head, row,
-            lane * vec, state_scale, key, first)
+            mRead[slot, head, row, None], (copies.read.per_lane(vec),), (col // vec,)), mReadScale, slot, head, row,
+            col, state_scale, key, first, read_block_amax)
 
 
 @cute.jit
@@ -1102,11 +1113,11 @@ def lane_amax(values: cute.Tensor) -> Float32:
 @cute.jit
 def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constexpr[bool], values: cute.Tensor,
                  dst: cute.Tensor, mScale, slot: Int64, head: Int32, row: Int32, col: Int32,
-                 state_scale: Float32, key: Uint32, first_element: Int32):
+                 state_scale: Float32, key: Uint32, first_element: Int32, block_amax=None):
     """Write the lane's ``values`` (vec fp32, columns col .. col + vec - 1 of state row ``row``)
     into ``dst`` (the lane's storage slice) in ``fmt``, RTN or SR; the first lane of each scale
     block also writes the block's scale. Every lane of the warp calls it for the same row (block
-    amax by shuffles). ``state_scale``: nvfp4's G from ``nvfp4_state_scale``; ``key`` and
+    amax by shuffles), unless ``block_amax`` gives it. ``state_scale``: nvfp4's G from ``nvfp4_state_scale``; ``key`` and
     ``first_element`` (the flat index of the lane's first value): the SR bits
     ``fmix32(e ^ key)``."""
     vec = cute.size(values)
@@ -1115,14 +1126,17 @@ def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constex
     else:
         factor = Float32(1.0)  # fp32 values are multiplied by this before rounding
         block_lanes = fmt.block_k // vec
+        amax = block_amax
+        if cutlass.const_expr(block_amax is None):
+            amax = _group_max(lane_amax(values), block_lanes)
         if cutlass.const_expr(fmt.name == "fp8"):
-            scale = _div(_group_max(lane_amax(values), block_lanes), Float32(_E4M3_MAX), "rp")
+            scale = _div(amax, Float32(_E4M3_MAX), "rp")
             factor = _reciprocal_or_zero(scale)
             if col % fmt.block_k == 0:
                 mScale[slot, head, row, col // fmt.block_k] = scale
         if cutlass.const_expr(fmt.name == "nvfp4"):
             finite = state_scale == state_scale
-            a = _div(_group_max(lane_amax(values), block_lanes), state_scale, "rn")
+            a = _div(amax, state_scale, "rn")
             block = rtn_code(_div(a, Float32(_E2M1_MAX), "rn"), E4M3)
             block = block + cutlass.select_(e4m3_value(block) * Float32(_E2M1_MAX) < a, Int32(1), Int32(0))
             block = cutlass.select_(finite, block, Int32(0))

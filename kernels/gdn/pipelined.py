@@ -33,9 +33,16 @@ L2, and each consumer warp loads its rows into registers, dots them, folds them 
 copies (RTN; nvfp4's state scale reduced over the consumer warps, whole heads per item). Where the
 cache re-derives a flush's corrections (``flush_corrections="rederive"``), a flushing item's stage
 also holds the records' v and beta, the consumer warps split the records' coupling between them
-(``solve_matrix``), and each warp takes S_ckpt k_p of its rows from the registers that hold
+(``solve_matrix``, the keys' Gram matrix on tensor cores), and each warp takes S_ckpt k_p of its rows from the registers that hold
 them for the fold (``checkpoint_key_dots``) and runs their forward substitution
 (``coupled_substitution``); with ``keep_v_beta`` a non-flushing item appends v and beta too.
+A 16-row warp's flush next to a read copy runs on tensor cores (``mma_flush``, K a multiple of 32
+up to 128): its rows are loaded in the m16n8k8 fragment layout (``fragment_rows``: a lane holds a
+quarter of K of two rows, which serves as A fragments and as accumulators), S_ckpt k_p
+(``fragment_key_dots``) and the fold's rank-cap update (``fragment_fold``) are TF32 MMAs with the
+fp32 operand split into hi + lo (the keys exact in TF32 where act is 16-bit), and the rows are
+stored from that layout (``state_io.store_copies_at``); the row dots with k and q and this token's
+term stay on CUDA cores in fp32.
 
 Tensor contract: as ``kernels/gdn/decode.py`` (same arguments, same order), restricted to an
 fp32 checkpoint (``GDNPipeConfig.check``): the checkpoint scales and the SR seed are None.
@@ -69,22 +76,29 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, lane_scan, launch, load_past_l1, pow2_at_least, prefetch_l2,
+from ..common import (after_previous_kernel, lane_scan, launch, load_past_l1, mma_tf32, pow2_at_least, prefetch_l2,
                       slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
+from ..pipeline import (CONSUMER_BARRIER, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
                         copy_read_scales_async, copy_records_async, pipeline_check, producer_prefetch, publish_stage,
                         release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes,
                         wait_stage)
-from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, max_nan, mma_row_dots, smem_scale,
-                        store_copies, warps_state_scale)
+from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, max_nan, mma_row_dots,
+                        ring_coefficients, smem_scale, store_copies, store_copies_at, warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
-from .decode import key_pair_dots, rederived_by_position
+from .decode import rederived_by_position
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
 META = 8  # scalars of an item staged by the producer
+META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates and k . q (READ_STATE_SCALE: nvfp4's state scale)
+# The default's stage count where fewer stages than fit were measured faster: an fp8 read copy
+# takes 2 (H200, both registry GDN shapes, batches 32-1024: 4-9% faster than 6, the tuner's
+# winner at every bucket; sweeps/results/README.md, "GDN read copies on the pipeline by default").
+MAX_DEFAULT_STAGES = {"fp8": 2}
+MMA_FLUSH_ROWS = 16  # a tensor-core flush's warp rows: one m16 tile, lane 4 g + t holding rows g and g + 8
+RING_KEY_PAD = 8  # elements after each staged ring key: the flush's column reads of the keys spread over the banks
 MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
 
 
@@ -105,33 +119,56 @@ def row_totals(rRows: cute.Tensor, lr: Int32, rows_per_warp: cutlass.Constexpr[i
 @cute.jit
 def solve_matrix(sKeys: cute.Tensor, sSolve: cute.Tensor, g_j: Float32, beta_lane: Float32, origin: Int32, h: Int32,
                  worker: Int32, workers: cutlass.Constexpr[int], cap: cutlass.Constexpr[int],
-                 vec: cutlass.Constexpr[int], act: cutlass.Constexpr):
+                 keys_exact: cutlass.Constexpr[bool]):
     """The records' coupling in a flush's re-derivation, the same for every row of the value head:
     ``sSolve[i, j] = beta_j D(i, j) (k_i . k_j)`` for records i < j < h, with D(i, j) = alpha_{i+1}
     ... alpha_j the decay between them, zero elsewhere (record order; ``sKeys`` by ring position,
-    stale ones finite). 32 key pairs per warp pass, split over ``workers`` warps (this one is number
-    ``worker``); lane j: ``g_j`` and ``beta_lane`` of record j."""
+    stale ones finite). The keys' Gram matrix on tensor cores (TF32, exact for 16-bit keys, else
+    3xTF32), a 16 x 8 block of positions per warp pass, the blocks split over ``workers`` warps
+    (this one is number ``worker``); lane j: ``g_j`` and ``beta_lane`` of record j."""
     lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    K = cute.size(sKeys, mode=[1])
     # every record's decay alpha_t in every lane; D as a product over t in (i, j] (no exp per pair)
     alpha_lane = cute.math.exp(g_j, fastmath=False)
     rAlpha = cute.make_rmem_tensor((cap,), Float32)
-    for t in cutlass.range_constexpr(cap):
-        rAlpha[t] = cute.arch.shuffle_sync(alpha_lane, t)
-    n_pairs = cap * cap
-    n_batch = (n_pairs + 31) // 32
-    for bb in cutlass.range_constexpr((n_batch + workers - 1) // workers):
-        b = bb * workers + worker
-        if b < n_batch:
-            total = key_pair_dots(sKeys, b, cap, vec, act)  # lane l: pair b * 32 + l
-            pair = b * 32 + lane
-            i = (pair // cap - origin + cap) % cap  # the records at the pair's two positions
-            j = (pair % cap - origin + cap) % cap
-            decay = Float32(1.0)
-            for t in cutlass.range_constexpr(cap):
-                decay = decay * cutlass.select_((i < t) & (t <= j), rAlpha[t], Float32(1.0))
-            beta_j = cute.arch.shuffle_sync(beta_lane, j)
-            if pair < n_pairs:
-                sSolve[i, j] = cutlass.select_((i < j) & (j < h), beta_j * decay * total, Float32(0.0))
+    for r in cutlass.range_constexpr(cap):
+        rAlpha[r] = cute.arch.shuffle_sync(alpha_lane, r)
+    m_tiles = (cap + 15) // 16
+    n_tiles = (cap + 7) // 8
+    for bb in cutlass.range_constexpr((m_tiles * n_tiles + workers - 1) // workers):
+        block = bb * workers + worker
+        if block < m_tiles * n_tiles:
+            p0 = block // n_tiles * 16
+            q0 = block % n_tiles * 8
+            # positions past the ring: a real key, its result unused; k slots t / t + 4 of step s
+            # are columns 8 s + 2 t and 8 s + 2 t + 1 (one pair load), the same in both operands
+            rows = (cutlass.min(p0 + g, cap - 1), cutlass.min(p0 + g + 8, cap - 1), cutlass.min(q0 + g, cap - 1))
+            acc = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+            acc.fill(0.0)
+            for step in cutlass.range_constexpr(K // 8):
+                rPairs = cute.make_rmem_tensor(cute.make_layout((3, 2), stride=(2, 1)), sKeys.element_type)
+                for k in cutlass.range_constexpr(3):
+                    cute.autovec_copy(cute.local_tile(sKeys[rows[k], None], (2,), (4 * step + t,)), rPairs[k, None])
+                rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                rB = cute.make_rmem_tensor(cute.make_layout((2, 1, 1)), Float32)
+                for i in cutlass.range_constexpr(4):
+                    rA[i, 0, 0] = rPairs[i % 2, i // 2].to(Float32)
+                for i in cutlass.range_constexpr(2):
+                    rB[i, 0, 0] = rPairs[2, i].to(Float32)
+                mma_tf32(acc, rA, rB, not keys_exact, not keys_exact)
+            for c in cutlass.range_constexpr(4):
+                p = p0 + g + 8 * (c // 2)
+                q = q0 + 2 * t + c % 2
+                i = (p - origin + cap) % cap  # the records at the two positions
+                j = (q - origin + cap) % cap
+                decay = Float32(1.0)
+                for r in cutlass.range_constexpr(cap):
+                    decay = decay * cutlass.select_((i < r) & (r <= j), rAlpha[r], Float32(1.0))
+                beta_j = cute.arch.shuffle_sync(beta_lane, j)
+                if (p < cap) & (q < cap):
+                    sSolve[i, j] = cutlass.select_((i < j) & (j < h), beta_j * decay * acc[c, 0, 0], Float32(0.0))
 
 
 @cute.jit
@@ -197,6 +234,163 @@ def coupled_substitution(sSolve: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor,
     rederived_by_position(sUre, rU, origin, h, lr, cap)
 
 
+
+def flush_fits_tensor_cores(shape: GDNShape, rows_per_warp: int) -> bool:
+    """Whether a flush next to a read copy can run on tensor cores (``fragment_rows``): 16-row
+    warps whose lanes each hold a quarter of K (K a multiple of 32 up to 128: 8 to 32 values a
+    row, so an fp8 copy's scale block is the whole row)."""
+    K = shape.head_k_dim
+    return shape.read_copy is not None and rows_per_warp == MMA_FLUSH_ROWS and K % 32 == 0 and K <= 128
+
+
+def fragment_piece(shape: GDNShape) -> int:
+    """Consecutive columns of a row a lane holds in the tensor-core flush (``fragment_rows``): 4,
+    so that a quad loads and stores 64 contiguous bytes of fp32 at a time; next to an nvfp4 copy
+    its 16-column scale block (or the most of it a quarter of K takes), so that a lane encodes
+    whole blocks (their software E2M1 rounding and scale once per block, not per lane)."""
+    quarter = shape.head_k_dim // 4
+    return next(p for p in (16, 8, 4) if quarter % p == 0) if shape.read_copy == "nvfp4" else 4
+
+
+@cute.jit
+def fragment_rows(rRows: cute.Tensor, mRows: cute.Tensor, first_row: Int32, piece: cutlass.Constexpr[int]):
+    """The tensor-core flush's layout of a warp's 16 fp32 rows ``first_row ..`` of ``mRows`` (rows,
+    K): lane 4 g + t holds rows g and g + 8 (``rRows[0]``, ``rRows[1]``), a quarter of K each, its
+    element e column ``fragment_col(t, e, piece)``: pieces of ``piece`` columns, the quad's lanes
+    side by side (``fragment_piece``). MMA step s takes
+    elements 2 s and 2 s + 1 as k slots t and t + 4 (a permutation of K, the same in every operand),
+    so the rows are at once the A fragments of their dots with the keys and the accumulators
+    (columns 2 t, 2 t + 1 of n-tile s) of the fold."""
+    lane = cute.arch.lane_idx()
+    pieces = cute.size(rRows, mode=[1]) // piece
+    for half in cutlass.range_constexpr(2):
+        row = mRows[first_row + lane // 4 + 8 * half, None]
+        for pc in cutlass.range_constexpr(pieces):
+            cute.autovec_copy(cute.local_tile(row, (piece,), (4 * pc + lane % 4,)),
+                              cute.local_tile(rRows[half, None], (piece,), (pc,)))
+
+
+def fragment_col(t, e: int, piece: int):
+    """The column of element ``e`` of quad lane ``t`` in ``fragment_rows``' layout."""
+    return 4 * piece * (e // piece) + piece * t + e % piece
+
+
+@cute.jit
+def fragment_row_dots(rRows: cute.Tensor, sK: cute.Tensor, sQ: cute.Tensor, piece: cutlass.Constexpr[int]):
+    """(S k, S q) of row lane % 16 of the warp for the rows in ``fragment_rows``' layout and the
+    staged fp32 k and q (K,): each lane's quarter dots, summed over its quad."""
+    lane = cute.arch.lane_idx()
+    pieces = cute.size(rRows, mode=[1]) // piece
+    rDots = cute.make_rmem_tensor((4,), Float32)  # rows g, g + 8 with k, then with q
+    rDots.fill(0.0)
+    for pc in cutlass.range_constexpr(pieces):
+        rK = cute.make_rmem_tensor((piece,), Float32)
+        rQ = cute.make_rmem_tensor((piece,), Float32)
+        cute.autovec_copy(cute.local_tile(sK, (piece,), (4 * pc + lane % 4,)), rK)
+        cute.autovec_copy(cute.local_tile(sQ, (piece,), (4 * pc + lane % 4,)), rQ)
+        for half in cutlass.range_constexpr(2):
+            for e in cutlass.range_constexpr(piece):
+                rDots[half] = rDots[half] + rRows[half, pc * piece + e] * rK[e]
+                rDots[2 + half] = rDots[2 + half] + rRows[half, pc * piece + e] * rQ[e]
+    for i in cutlass.range_constexpr(4):
+        for offset in (1, 2):
+            rDots[i] = rDots[i] + cute.arch.shuffle_sync_bfly(rDots[i], offset=offset)
+    source = 4 * (lane % 8)  # row lane % 16: row g = lane % 8 of quad lane % 8, in its second half from lane 8
+    second = (lane % 16) >= 8
+    s_k = cutlass.select_(second, cute.arch.shuffle_sync(rDots[1], source), cute.arch.shuffle_sync(rDots[0], source))
+    s_q = cutlass.select_(second, cute.arch.shuffle_sync(rDots[3], source), cute.arch.shuffle_sync(rDots[2], source))
+    return s_k, s_q
+
+
+@cute.jit
+def fragment_key_dots(rRows: cute.Tensor, sKeys: cute.Tensor, sSk: cute.Tensor, cap: cutlass.Constexpr[int],
+                      keys_exact: cutlass.Constexpr[bool], piece: cutlass.Constexpr[int]):
+    """``checkpoint_key_dots`` on tensor cores for rows in ``fragment_rows``' layout:
+    sSk[p, r] = S_ckpt[row r] . k_p for the warp's 16 rows and every ring position p, 3xTF32 (the
+    rows split into hi + lo, the keys exact where act is 16-bit)."""
+    lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    quarter = cute.size(rRows, mode=[1])
+    nt = (cap + 7) // 8
+    acc = cute.make_rmem_tensor(cute.make_layout((4, 1, nt)), Float32)
+    acc.fill(0.0)
+    for step in cutlass.range_constexpr(quarter // 2):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = rRows[i % 2, 2 * step + i // 2]
+        rB = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), Float32)
+        for n in cutlass.range_constexpr(nt):
+            rPair = cute.make_rmem_tensor((2,), sKeys.element_type)
+            p = cutlass.min(8 * n + g, cap - 1)  # past the ring: a real key, its column unused
+            cute.autovec_copy(cute.local_tile(sKeys[p, None], (2,), (fragment_col(t, 2 * step, piece) // 2,)), rPair)
+            for i in cutlass.range_constexpr(2):
+                rB[i, n, 0] = rPair[i].to(Float32)
+        mma_tf32(acc, rA, rB, True, not keys_exact)
+    for n in cutlass.range_constexpr(nt):
+        for i in cutlass.range_constexpr(4):
+            p = 8 * n + 2 * t + i % 2
+            if p < cap:
+                sSk[p, g + 8 * (i // 2)] = acc[i, 0, n]
+
+
+@cute.jit
+def fragment_fold(rRows: cute.Tensor, sK: cute.Tensor, u: Float32, gamma: Float32, rCoefs: cute.Tensor,
+                  sCoef: cute.Tensor, sKeys: cute.Tensor, cap: cutlass.Constexpr[int],
+                  ring: cutlass.Constexpr[bool], keys_exact: cutlass.Constexpr[bool], piece: cutlass.Constexpr[int]):
+    """A flush's fold of the warp's 16 rows in ``fragment_rows``' layout:
+    S = gamma S + u k (this token: lane r's ``u``, the staged fp32 k, on CUDA cores) + Coef Keys
+    on tensor cores (3xTF32: Coef (16, cap) the records' coefficients, lane r's ``rCoefs`` by ring
+    position through the warp's (cap, 16) scratch ``sCoef``, split into hi + lo; the ring keys
+    exact where act is 16-bit; stale positions are zero in both)."""
+    lane = cute.arch.lane_idx()
+    g = lane // 4
+    t = lane % 4
+    quarter = cute.size(rRows, mode=[1])
+    for half in cutlass.range_constexpr(2):
+        coef = cute.arch.shuffle_sync(u, g + 8 * half)
+        for pc in cutlass.range_constexpr(quarter // piece):
+            rK = cute.make_rmem_tensor((piece,), Float32)
+            cute.autovec_copy(cute.local_tile(sK, (piece,), (4 * pc + t,)), rK)
+            for e in cutlass.range_constexpr(piece):
+                i = pc * piece + e
+                rRows[half, i] = gamma * rRows[half, i] + coef * rK[e]
+    if cutlass.const_expr(ring):
+        if lane < MMA_FLUSH_ROWS:
+            for p in cutlass.range_constexpr(cap):
+                sCoef[p, lane] = rCoefs[p]
+        cute.arch.sync_warp()
+        kf_steps = (cap + 7) // 8
+        rA = cute.make_rmem_tensor(cute.make_layout((4, kf_steps)), Float32)  # rows g / g + 8, records t / t + 4
+        for kf in cutlass.range_constexpr(kf_steps):
+            for i in cutlass.range_constexpr(4):
+                p = 8 * kf + t + 4 * (i // 2)
+                rA[i, kf] = cutlass.select_(p < cap, sCoef[cutlass.min(p, cap - 1), g + 8 * (i % 2)], Float32(0.0))
+        tiles = 4  # n-tiles of accumulators per pass
+        for nc in cutlass.range_constexpr(quarter // (2 * tiles)):
+            acc = cute.make_rmem_tensor(cute.make_layout((4, 1, tiles)), Float32)
+            for n in cutlass.range_constexpr(tiles):
+                for i in cutlass.range_constexpr(4):
+                    acc[i, 0, n] = rRows[i // 2, 2 * (nc * tiles + n) + i % 2]
+            for kf in cutlass.range_constexpr(kf_steps):
+                rAk = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+                for i in cutlass.range_constexpr(4):
+                    rAk[i, 0, 0] = rA[i, kf]
+                # B column g of n-tile m: the column quad lane g // 2 holds as accumulator element g % 2
+                rB = cute.make_rmem_tensor(cute.make_layout((2, tiles, 1)), Float32)
+                for n in cutlass.range_constexpr(tiles):
+                    m = nc * tiles + n
+                    col = fragment_col(g // 2, 2 * m, piece) + g % 2
+                    for i in cutlass.range_constexpr(2):
+                        p = 8 * kf + t + 4 * i
+                        key = sKeys[cutlass.min(p, cap - 1), col].to(Float32)
+                        rB[i, n, 0] = cutlass.select_(p < cap, key, Float32(0.0))
+                mma_tf32(acc, rAk, rB, True, not keys_exact)
+            for n in cutlass.range_constexpr(tiles):
+                for i in cutlass.range_constexpr(4):
+                    rRows[i // 2, 2 * (nc * tiles + n) + i % 2] = acc[i, 0, n]
+
+
 class GDNToken(NamedTuple):
     """This token's inputs of the step."""
 
@@ -231,7 +425,8 @@ class GDNPipeConfig:
     consumer warps take turns at the items (group g the CTA's items g, g + G, ...), so that many
     items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
     ``mma_dots``: a read copy's rows meet k and q on tensor cores where ``rows_fit_tensor_cores``
-    takes them, else on CUDA cores."""
+    takes them, else on CUDA cores; ``mma_flush``: a flush next to a read copy re-derives (S_ckpt
+    k_p) and folds on tensor cores where ``flush_fits_tensor_cores`` takes it, else on CUDA cores."""
 
     stages: int = 4
     ctas: int = 132
@@ -241,6 +436,10 @@ class GDNPipeConfig:
     consumer_groups: int = 1
     min_ctas_per_sm: int = 0
     mma_dots: bool = True
+    mma_flush: bool = True
+
+    def tensor_core_flush(self, shape: GDNShape) -> bool:
+        return self.mma_flush and flush_fits_tensor_cores(shape, self.rows_per_warp)
 
     def consumer_warps(self) -> int:
         """An item's consumer warps (one group's)."""
@@ -255,19 +454,21 @@ class GDNPipeConfig:
         act = shape.act_dtype.width // 8
         entry = shape.copies.entry
         box = R * entry.row_bytes + entry.scale_smem_bytes(R)  # the checkpoint's rows or the read copy's
-        ring = (cap * R * 2 + cap * K * act + 2 * cap * 4) if shape.window > 1 else 0
+        ring = (cap * R * 2 + cap * (K + RING_KEY_PAD) * act + 2 * cap * 4) if shape.window > 1 else 0
         rederive = (cap * R * act + 32 * 4 + cap * cap * 4) if shape.rederive else 0  # v, beta, the records' coupling
         amax = 4 * self.consumer_warps() if shape.copies.whole_state else 0
         return box + ring + rederive + amax + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
-        # a re-deriving flush's per-warp S_ckpt k_p and re-derived u, by position and row (not staged)
-        scratch = 2 * shape.capacity * self.rows_per_item * self.consumer_groups * 4 + 32 if shape.rederive else 0
+        # per consumer warp, by position and row (not staged): a re-deriving flush's S_ckpt k_p and
+        # re-derived u, the latter also the tensor-core flush's fold coefficients
+        per_scratch = self.rows_per_item * self.consumer_groups * shape.capacity * 4 + 16
+        scratch = per_scratch * (2 if shape.rederive else 1 if self.tensor_core_flush(shape) else 0)
         return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
-                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots)
+                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots, self.mma_flush)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -331,14 +532,15 @@ def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNP
     """Whole heads per item where they take at most 8 consumer warps of 16 rows (the ring dots
     split over more warps, and more warps per SM to hide the per-item latency: on the H200,
     Qwen3.5-122B at batch 256, 303 us a layer against 353 for half heads), else half heads; as many
-    stages as fit (up to 6), one CTA per SM, the target's producer chunk, a read copy's row dots
-    on the unit measured faster for it (``CUDA_CORE_DOT_READS``); None if the kernel cannot take
-    `shape`."""
+    stages as fit up to ``MAX_DEFAULT_STAGES`` of the read copy, one CTA per SM, the target's
+    producer chunk, a read copy's row dots on the unit measured faster for it
+    (``CUDA_CORE_DOT_READS``); None if the kernel cannot take `shape`."""
     V = shape.head_v_dim
+    most = MAX_DEFAULT_STAGES.get(shape.read_copy, 6)
     for rows in (V, V // 2):
         if rows % 16 or rows > 128:
             continue
-        for stages in range(6, 1, -1):
+        for stages in range(most, 1, -1):
             config = GDNPipeConfig(stages=stages, ctas=sm_count, rows_per_item=rows,
                                    prefetch=producer_prefetch(arch), mma_dots=shape.read_copy not in CUDA_CORE_DOT_READS)
             if config.check(shape) is None:
@@ -423,6 +625,9 @@ class GDNPipelinedDecode:
         entry = copies.entry
         rederive = s.rederive
         mma_reads = c.mma_dots and rows_fit_tensor_cores(read, RW, vec)
+        mma_flush = c.tensor_core_flush(s)
+        flush_rows = (2, K // 4) if mma_flush else (RW, vec)  # a flush's rAcc
+        piece = fragment_piece(s)
         kq_ups = kq_fragment_scales(s.q_scale)
         box_bytes = R * entry.row_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async
@@ -440,7 +645,8 @@ class GDNPipelinedDecode:
         # the read copy's with their scales), the ring records it reads, this token's q, k, v
         # (fp32) and the item's scalars; a full and an empty mbarrier per stage; with re-derived
         # corrections the records' v and beta and their coupling per stage, and each consumer
-        # warp's (of every group) S_ckpt k_p and re-derived u.
+        # warp's (of every group) S_ckpt k_p and re-derived u (with a tensor-core flush, the u scratch
+        # also without re-derivation: it hands the fold's coefficients to the A fragments).
         smem = SmemAllocator()
         sState = staged(smem, entry.storage, (R, entry.cols), ST, byte_alignment=128)
         sReadScale, sAmax = None, None
@@ -451,7 +657,7 @@ class GDNPipelinedDecode:
         sRingU, sRingK, sRingDot = None, None, None
         if cutlass.const_expr(ring):
             sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
-            sRingK = staged(smem, act, (cap, K), ST)
+            sRingK = staged(smem, act, (cap, K), ST, row_pad=RING_KEY_PAD)
             sRingDot = staged(smem, Float32, (2, cap), ST)  # weighted k_p . k, k_p . q of live positions
         sRingV, sRingBeta, sSolve, sSk, sUre = None, None, None, None, None
         if cutlass.const_expr(rederive):
@@ -460,6 +666,7 @@ class GDNPipelinedDecode:
             sSolve = staged(smem, Float32, (cap, cap), ST)
             sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                        byte_alignment=16)
+        if cutlass.const_expr(rederive or mma_flush):  # the re-derived u, then the tensor-core fold's coefficients
             sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                         byte_alignment=16)
         sQ = staged(smem, Float32, (K,), ST)
@@ -564,12 +771,12 @@ class GDNPipelinedDecode:
                                                        as_column(cute.local_tile(sRingBeta[None, stage], (cap,), (0,))),
                                                        1, origin, h)
                         if lane == 0:
-                            sMetaI[0, stage] = slot
-                            sMetaI[1, stage] = h
-                            sMetaI[2, stage] = origin
-                            sMetaF[0, stage] = g
-                            sMetaF[1, stage] = beta
-                            sMetaF[2, stage] = kq
+                            sMetaI[META_SLOT, stage] = slot
+                            sMetaI[META_H, stage] = h
+                            sMetaI[META_ORIGIN, stage] = origin
+                            sMetaF[META_G, stage] = g
+                            sMetaF[META_BETA, stage] = beta
+                            sMetaF[META_KQ, stage] = kq
                         publish_stage(full, stage, with_box, box_bytes, tma_state,
                                       t_g[None, (slot * HV + vhead) * parts + part], t_s[None, stage])
                 rQ.store(rQn.load())
@@ -596,18 +803,25 @@ class GDNPipelinedDecode:
                 khead = vhead // rep
                 stage, phase = stage_of(it * G + cg, ST)
                 wait_stage(full, stage, phase)
-                slot = sMetaI[0, stage]
+                slot = sMetaI[META_SLOT, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
-                    h = sMetaI[1, stage]
-                    origin = sMetaI[2, stage]
-                    g = sMetaF[0, stage]
-                    beta = sMetaF[1, stage]
-                    kq = sMetaF[2, stage]
+                    h = sMetaI[META_H, stage]
+                    origin = sMetaI[META_ORIGIN, stage]
+                    g = sMetaF[META_G, stage]
+                    beta = sMetaF[META_BETA, stage]
+                    kq = sMetaF[META_KQ, stage]
                     flush = h + 1 >= L  # h == L only after a speculative commit
                     pos_h = (origin + h) % cap
                     r0 = cw * RW  # the warp's first row within the item
                     i_row = part * R + r0 + lr  # this lane's state row within the head
+                    # a flush's fp32 rows: the lane's slice of each of the warp's rows, or on tensor cores
+                    # its quarter of two of them (fragment_rows), loaded first so that their latency
+                    # overlaps the ring's work below
+                    rAcc = cute.make_rmem_tensor(cute.make_layout(flush_rows, stride=(flush_rows[1], 1)), Float32)
+                    if cutlass.const_expr(mma_flush):
+                        if flush:
+                            fragment_rows(rAcc, mCheckpoint[slot64, vhead, None, None], part * R + r0, piece)
 
                     rK = cute.make_rmem_tensor((vec,), Float32)
                     rQ = cute.make_rmem_tensor((vec,), Float32)
@@ -665,7 +879,7 @@ class GDNPipelinedDecode:
                         if cutlass.const_expr(rederive):
                             if flush:
                                 solve_matrix(sRingK[None, None, stage], sSolve[None, None, stage], g_j, beta_lane, origin,
-                                             h, cw, CW, cap, vec, act)
+                                             h, cw, CW, cap, act.width <= 16)
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                     # S k and S q of the warp's rows (the checkpoint before this token): a flush
@@ -676,24 +890,29 @@ class GDNPipelinedDecode:
                     s_q = Float32(0.0)
                     rRows = cute.make_rmem_tensor((2 * RW,), Float32)
                     rRows.fill(0.0)
-                    rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
                     if flush:
-                        rAcc.fill(0.0)
-                        if lane < KL:  # lanes past K hold zeros (K < 32 vec)
+                        if cutlass.const_expr(mma_flush):
+                            s_k, s_q = fragment_row_dots(rAcc, sK[None, stage], sQ[None, stage], piece)
+                            if cutlass.const_expr(rederive):
+                                fragment_key_dots(rAcc, sRingK[None, None, stage], sSk[None, None, warp - 1], cap,
+                                                  act.width <= 16, piece)
+                        else:
+                            rAcc.fill(0.0)
+                            if lane < KL:  # lanes past K hold zeros (K < 32 vec)
+                                for r in cutlass.range_constexpr(RW):
+                                    if cutlass.const_expr(read is None):
+                                        src = cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,))
+                                    else:
+                                        src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None],
+                                                              (vec,), (lane,))
+                                    cute.autovec_copy(src, rAcc[r, None])
                             for r in cutlass.range_constexpr(RW):
-                                if cutlass.const_expr(read is None):
-                                    src = cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,))
-                                else:
-                                    src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None], (vec,),
-                                                          (lane,))
-                                cute.autovec_copy(src, rAcc[r, None])
-                        for r in cutlass.range_constexpr(RW):
-                            for e in cutlass.range_constexpr(vec):
-                                rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
-                                rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
-                        if cutlass.const_expr(rederive):
-                            checkpoint_key_dots(rAcc, sRingK[None, None, stage], sSk[None, None, warp - 1], RW, cap, vec,
-                                                act)
+                                for e in cutlass.range_constexpr(vec):
+                                    rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
+                                    rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
+                            if cutlass.const_expr(rederive):
+                                checkpoint_key_dots(rAcc, sRingK[None, None, stage], sSk[None, None, warp - 1], RW,
+                                                    cap, vec, act)
                     else:
                         state_scale = Float32(1.0)
                         if cutlass.const_expr(read is not None and read.has_state_scale):
@@ -734,10 +953,10 @@ class GDNPipelinedDecode:
                         for p in cutlass.range_constexpr(cap):
                             ring_k = ring_k + sRingDot[0, p, stage] * rU[p]
                             ring_q = ring_q + sRingDot[1, p, stage] * rU[p]
-                    if cutlass.const_expr(mma_reads):
-                        if flush:
+                    if flush:
+                        if cutlass.const_expr(not mma_flush):
                             s_k, s_q = row_totals(rRows, lr, RW)
-                    else:
+                    elif cutlass.const_expr(not mma_reads):
                         s_k, s_q = row_totals(rRows, lr, RW)
 
                     v_cur = sV[r0 + lr, stage]
@@ -745,8 +964,8 @@ class GDNPipelinedDecode:
                     if lane < RW:
                         mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
                     if flush:
-                        self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sAmax, stage, mCheckpoint,
-                                            copy, slot64, vhead, part * R + r0, cw, group_barrier)
+                        self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sK, sUre, sAmax, stage,
+                                            mCheckpoint, copy, slot64, vhead, part * R + r0, cw, warp - 1, group_barrier)
                     else:
                         if cutlass.const_expr(ring):
                             if lane < RW:
@@ -767,13 +986,15 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
-                       w_j: Float32, origin: Int32, h: Int32, sRingK, sAmax, stage: Int32, mCheckpoint: cute.Tensor,
-                       copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32, cw: Int32, group_barrier: Int32):
+                       w_j: Float32, origin: Int32, h: Int32, sRingK, sK: cute.Tensor, sUre, sAmax, stage: Int32,
+                       mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32,
+                       cw: Int32, scratch: Int32, group_barrier: Int32):
         """A flush of the warp's rows ``first_row ..`` of the head (``rAcc``, fp32, in registers):
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
         replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
         state scale from the folded rows of every consumer warp of the group first, which meet at
-        ``group_barrier``)."""
+        ``group_barrier``). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
+        the fold runs on tensor cores (``fragment_fold``, through the warp's ``scratch`` of ``sUre``)."""
         s, c = self.shape, self.config
         cap, K = s.capacity, s.head_k_dim
         RW, CW = c.rows_per_warp, c.consumer_warps()
@@ -781,28 +1002,40 @@ class GDNPipelinedDecode:
         KL = K // vec
         act = s.act_dtype
         copies = s.copies
+        ring = s.window > 1
+        piece = fragment_piece(s)
         lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(RW):
-            coef = cute.arch.shuffle_sync(u, r)
-            for e in cutlass.range_constexpr(vec):
-                rAcc[r, e] = gamma * rAcc[r, e] + coef * rK[e]
-        if cutlass.const_expr(s.window > 1):
-            for p in cutlass.range_constexpr(cap):
-                j = (p - origin + cap) % cap
-                live_p = j < h
-                w = cute.arch.shuffle_sync(w_j, j)
-                coef_p = cutlass.select_(live_p, w * rU[p], Float32(0.0))
-                rKp = cute.make_rmem_tensor((vec,), Float32)
-                rKp.fill(0.0)
-                if lane < KL:
-                    rKey = cute.make_rmem_tensor((vec,), act)
-                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
-                    for e in cutlass.range_constexpr(vec):
-                        rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
-                for r in cutlass.range_constexpr(RW):
-                    coef = cute.arch.shuffle_sync(coef_p, r)
-                    for e in cutlass.range_constexpr(vec):
-                        rAcc[r, e] = rAcc[r, e] + coef * rKp[e]
+        if cutlass.const_expr(c.tensor_core_flush(s)):
+            rCoefs = cute.make_rmem_tensor((cap,), Float32)
+            sKeys, sCoef = None, None
+            if cutlass.const_expr(ring):
+                ring_coefficients(w_j, rU, origin, h, rCoefs)
+                sKeys = sRingK[None, None, stage]
+                sCoef = sUre[None, None, scratch]
+            cute.arch.sync_warp()  # every lane's reads of the scratch (re-derived u) before it takes the coefficients
+            fragment_fold(rAcc, sK[None, stage], u, gamma, rCoefs, sCoef, sKeys, cap, ring, act.width <= 16, piece)
+        else:
+            for r in cutlass.range_constexpr(RW):
+                coef = cute.arch.shuffle_sync(u, r)
+                for e in cutlass.range_constexpr(vec):
+                    rAcc[r, e] = gamma * rAcc[r, e] + coef * rK[e]
+            if cutlass.const_expr(ring):
+                for p in cutlass.range_constexpr(cap):
+                    j = (p - origin + cap) % cap
+                    live_p = j < h
+                    w = cute.arch.shuffle_sync(w_j, j)
+                    coef_p = cutlass.select_(live_p, w * rU[p], Float32(0.0))
+                    rKp = cute.make_rmem_tensor((vec,), Float32)
+                    rKp.fill(0.0)
+                    if lane < KL:
+                        rKey = cute.make_rmem_tensor((vec,), act)
+                        cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
+                        for e in cutlass.range_constexpr(vec):
+                            rKp[e] = cutlass.select_(live_p, rKey[e].to(Float32), Float32(0.0))
+                    for r in cutlass.range_constexpr(RW):
+                        coef = cute.arch.shuffle_sync(coef_p, r)
+                        for e in cutlass.range_constexpr(vec):
+                            rAcc[r, e] = rAcc[r, e] + coef * rKp[e]
         if cutlass.const_expr(copies.read is None):
             if lane < KL:
                 for r in cutlass.range_constexpr(RW):
@@ -811,16 +1044,28 @@ class GDNPipelinedDecode:
         else:
             state_scale = Float32(1.0)
             if cutlass.const_expr(copies.whole_state):  # whole heads per item (GDNPipeConfig.check)
-                amax = Float32(0.0)
-                for r in cutlass.range_constexpr(RW):
-                    amax = max_nan(amax, lane_amax(rAcc[r, None]))
-                state_scale = warps_state_scale(amax, sAmax[None, stage], cw, group_barrier, 32 * CW)
+                state_scale = warps_state_scale(lane_amax(rAcc), sAmax[None, stage], cw, group_barrier, 32 * CW)
                 if cw == 0:
                     if lane == 0:
                         copy.mStateScale[slot64, vhead] = state_scale
-            for r in cutlass.range_constexpr(RW):
-                store_copies(copies, rAcc[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
-                             first_row + r, state_scale, Uint32(0))
+            if cutlass.const_expr(c.tensor_core_flush(s)):
+                # the lane's pieces of rows g and g + 8; an nvfp4 block is a lane's piece or two
+                # (fragment_piece), an fp8 block a whole row (flush_fits_tensor_cores): its amax over the quad
+                for half in cutlass.range_constexpr(2):
+                    row_amax = None
+                    if cutlass.const_expr(copies.read.name == "fp8"):
+                        row_amax = lane_amax(rAcc[half, None])
+                        for offset in (1, 2):
+                            row_amax = max_nan(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=offset))
+                    for pc in cutlass.range_constexpr(K // 4 // piece):
+                        store_copies_at(copies, cute.local_tile(rAcc[half, None], (piece,), (pc,)),
+                                        mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
+                                        first_row + lane // 4 + 8 * half, fragment_col(lane % 4, pc * piece, piece),
+                                        state_scale, Uint32(0), row_amax)
+            else:
+                for r in cutlass.range_constexpr(RW):
+                    store_copies(copies, rAcc[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
+                                 first_row + r, state_scale, Uint32(0))
 
     @cute.jit
     def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor, mPlan: Optional[cute.Tensor],

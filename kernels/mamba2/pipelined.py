@@ -64,10 +64,10 @@ from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, la
                       pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, as_row,
-                        box_partition, copy_read_scales_async, copy_records_async, copy_rows_async, pipeline_check,
-                        producer_prefetch, publish_stage, release_stage, residency_check, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy,
+                        acquire_stage, as_column, as_row, box_partition, copy_read_scales_async, copy_records_async,
+                        copy_rows_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
+                        residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, smem_scale,
                         store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Shape, rows_on_tensor_cores
@@ -75,6 +75,7 @@ from .config import Mamba2Shape, rows_on_tensor_cores
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+META_DT, META_A, META_D, META_DT_BIAS = 0, 1, 2, 3  # its fp32 slots (chunk_inputs' order; READ_STATE_SCALE after)
 
 
 class Mamba2Token(NamedTuple):
@@ -452,9 +453,9 @@ class Mamba2PipelinedDecode:
                                                    origin, h)
                         scalars_f = [cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)]
                         if lane == 0:
-                            sMetaI[0, stage] = slot
-                            sMetaI[1, stage] = h
-                            sMetaI[2, stage] = origin
+                            sMetaI[META_SLOT, stage] = slot
+                            sMetaI[META_H, stage] = h
+                            sMetaI[META_ORIGIN, stage] = origin
                             for k in cutlass.range_constexpr(4):
                                 sMetaF[k, stage] = scalars_f[k]
                         if cutlass.const_expr(c.flush_tile):
@@ -487,15 +488,15 @@ class Mamba2PipelinedDecode:
                 group = head // heads_per_group
                 stage, phase = stage_of(it * c.consumer_groups + g, ST)
                 wait_stage(full, stage, phase)
-                slot = sMetaI[0, stage]
+                slot = sMetaI[META_SLOT, stage]
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
-                    h = sMetaI[1, stage]
-                    origin = sMetaI[2, stage]
-                    A = sMetaF[1, stage]
-                    dt_cur = sMetaF[0, stage]
+                    h = sMetaI[META_H, stage]
+                    origin = sMetaI[META_ORIGIN, stage]
+                    A = sMetaF[META_A, stage]
+                    dt_cur = sMetaF[META_DT, stage]
                     if cutlass.const_expr(s.has_dt_bias):
-                        dt_cur = dt_cur + sMetaF[3, stage]
+                        dt_cur = dt_cur + sMetaF[META_DT_BIAS, stage]
                     if cutlass.const_expr(s.dt_softplus):
                         dt_cur = softplus(dt_cur)
                     flush = h + 1 >= L  # h == L only after a speculative commit
@@ -597,7 +598,7 @@ class Mamba2PipelinedDecode:
                     if lane < RW:
                         y = y_row + ring_term
                         if cutlass.const_expr(s.has_D):
-                            y = y + sMetaF[2, stage] * x_cur
+                            y = y + sMetaF[META_D, stage] * x_cur
                         if cutlass.const_expr(s.has_z):
                             z = sZ[p_warp + lane, stage].to(Float32)
                             y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))

@@ -59,7 +59,8 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}], or for the pipelined decode
-    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_cudadots][_ctas{M}]: a launch config in a variant's label (unique per config)."""
+    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_cudadots][_cudaflush][_ctas{M}]:
+    a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"
         if hasattr(config, "rows_per_item"):  # GDN's
@@ -67,6 +68,7 @@ def config_label(config) -> str:
             label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
             label += f"_groups{config.consumer_groups}" if config.consumer_groups != 1 else ""
             label += "" if config.mma_dots else "_cudadots"
+            label += "" if config.mma_flush else "_cudaflush"
             return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
         if not config.mma_fold:
             label += "_cudafold"

@@ -240,29 +240,47 @@ def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_ti
 GDN_PIPELINED_READ_CONFIGS = [  # stages, ctas, rows per item, rows per warp, consumer groups
     (2, 3, 128, 16, 1), (3, 4, 128, 8, 1), (3, 5, 64, 16, 1), (4, 2, 32, 8, 1), (4, 3, 64, 16, 2), (2, 2, 128, 16, 2)]
 GDN_PIPELINED_READ_CASES = [  # an nvfp4 copy is written a whole head (V rows) at a time
-    (read, corrections) + config + (True,)
+    (read, corrections) + config + (True, True)
     for read, corrections in [("fp16", "rederive"), ("fp8", "rederive"), ("nvfp4", "rederive"), ("fp8", "fold"),
                               (None, "rederive")]
     for config in GDN_PIPELINED_READ_CONFIGS if read != "nvfp4" or config[2] == V] + [
     # 16-row warps with their read-copy rows on CUDA cores (the fp16 / fp8 default), the others on tensor cores
-    (read, "rederive", 2, 3, 128, 16, 1, False) for read in ("fp16", "fp8", "nvfp4")]
+    (read, "rederive", 2, 3, 128, 16, 1, False, True) for read in ("fp16", "fp8", "nvfp4")] + [
+    # 16-row warps whose flushes re-derive and fold on CUDA cores (the tensor-core flush's alternative)
+    (read, corrections, stages, 4, 128, 16, groups, True, False)
+    for read, corrections, stages, groups in [("fp16", "rederive", 3, 1), ("fp8", "fold", 4, 2), ("nvfp4", "rederive", 3, 1)]]
 
 
-@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots",
+@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush",
                          GDN_PIPELINED_READ_CASES)
-def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots):
+def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush):
     """The pipelined GDN decode next to a read copy (or re-deriving on the fp32 checkpoint) on
     small grids: every CTA reuses its stages many times, with flushing items (no box: the
     checkpoint rows from global memory, re-derived corrections from the staged v and beta and the
     records' coupling the consumer warps share) and non-flushing ones (the copy's rows) in the same
     ring, whole and partial heads, one or two consumer groups (each its own stages, named barrier
     and re-derivation scratch; nvfp4's state scale reduced over one group's warps), the copy's
-    rows dotted on tensor cores (16-row warps, ``mma_dots``) or CUDA cores; teacher-forced as
-    above."""
+    rows dotted on tensor cores (16-row warps, ``mma_dots``) or CUDA cores, a flush's S_ckpt k_p
+    and fold on tensor cores (16-row warps next to a read copy, ``mma_flush``) or CUDA cores;
+    teacher-forced as above."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
-    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups, mma_dots=mma_dots)
+    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups, mma_dots=mma_dots,
+                           mma_flush=mma_flush)
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, corrections), 4, "fp32", read, config)
+
+
+@pytest.mark.parametrize("read, window", [("fp16", 16), ("fp8", 12), ("nvfp4", 16)])
+def test_gdn_pipelined_tensor_core_flush_long_windows(read, window):
+    """The tensor-core flush where the ring spans two 8-record MMA tiles, whole (16) or in part
+    (12: the positions past the ring are clamped and zeroed): re-derived corrections, the
+    registry's whole-head 16-row warps; teacher-forced as above."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    config = GDNPipeConfig(3, 4, 128, 16)
+    assert config.mma_flush
+    _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, window, "fp32", read, "rederive"), window, "fp32", read,
+                    config)
 
 
 def _teacher_forced(layer_cls, make_cache, window, ckpt, read, config=None, drafts=0):

@@ -194,6 +194,30 @@ def test_gdn_consumer_groups_and_register_cap_checks():
     assert dataclasses.replace(base, mma_dots=False).key() != base.key()
 
 
+def test_gdn_tensor_core_flush_where_its_layout_fits():
+    """A flush next to a read copy runs on tensor cores for 16-row warps with K a multiple of 32 up
+    to 128 (a lane's quarter of two rows); elsewhere, or with mma_flush=False, on CUDA cores. Its
+    fold coefficients need the per-warp scratch a re-deriving cache has anyway; the fp8 default
+    takes 2 stages (measured), the others as many as fit."""
+    shapes = {read: GDNShape(**{**QWEN.__dict__, "read_copy": read, "keep_v_beta": True, "rederive": True})
+              for read in ("fp16", "fp8", "nvfp4")}
+    fp16 = shapes["fp16"]
+    config = gdn_pipe.GDNPipeConfig(4, 132, 128)
+    assert config.mma_flush and config.tensor_core_flush(fp16) and not config.tensor_core_flush(QWEN)
+    assert not dataclasses.replace(config, rows_per_warp=8).tensor_core_flush(fp16)
+    assert not dataclasses.replace(config, mma_flush=False).tensor_core_flush(fp16)
+    for K, fits in [(32, True), (64, True), (96, True), (128, True), (48, False), (256, False)]:
+        shape = GDNShape(**{**fp16.__dict__, "head_k_dim": K})
+        assert config.tensor_core_flush(shape) == fits, K
+    assert dataclasses.replace(config, mma_flush=False).key() != config.key()
+    folded = GDNShape(**{**fp16.__dict__, "rederive": False})  # no re-derivation: the scratch for the fold only
+    per_scratch = 128 * 16 * 4 + 16
+    assert config.smem_bytes(folded) - dataclasses.replace(config, mma_flush=False).smem_bytes(folded) == per_scratch
+    assert config.smem_bytes(fp16) == dataclasses.replace(config, mma_flush=False).smem_bytes(fp16)
+    assert gdn_pipe.pipelined_config(shapes["fp8"], 132, "sm_90a").stages == 2
+    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > 2
+
+
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
 def test_producer_chunk_per_target(arch, prefetch):
     """The producer's chunk is the target's: 4 items on sm_90a, 2 where 4 spills registers."""
@@ -290,6 +314,8 @@ def test_pipelined_kernels_build_for_every_arch(build):
             assert dots == ("_read_" in label and "_cudadots" not in label), f"{label}: the read copy's dots"
             if "_read_" in label:  # the defaults: fp16 / fp8 rows on CUDA cores, nvfp4 on tensor cores
                 assert ("_cudadots" in label) == ("_read_nvfp4_" not in label), label
+                # and every read copy's flush (16-row warps) on tensor cores: S_ckpt k_p and the fold in TF32
+                assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, f"{label}: the flush's unit"
         if "_read_" in label:  # a flush next to a read copy has its checkpoint prefetched into L2
             assert "cp.async.bulk.prefetch.L2" in text, label
         assert ".local" not in text, f"{label}: local memory"
