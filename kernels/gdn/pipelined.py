@@ -98,7 +98,7 @@ META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates and k . q (REA
 # winner at every bucket; sweeps/results/README.md, "GDN read copies on the pipeline by default").
 MAX_DEFAULT_STAGES = {"fp8": 2}
 MMA_FLUSH_ROWS = 16  # a tensor-core flush's warp rows: one m16 tile, lane 4 g + t holding rows g and g + 8
-RING_KEY_PAD = 8  # elements after each staged ring key: the flush's column reads of the keys spread over the banks
+RING_KEY_PAD = 8  # elements after each staged ring key: the tensor-core flush's column reads of the keys spread over the banks
 MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
 
 
@@ -441,6 +441,11 @@ class GDNPipeConfig:
     def tensor_core_flush(self, shape: GDNShape) -> bool:
         return self.mma_flush and flush_fits_tensor_cores(shape, self.rows_per_warp)
 
+    def ring_key_pad(self, shape: GDNShape) -> int:
+        """Elements after each staged ring key: only the tensor-core flush's operand loads gain
+        from it (elsewhere it cost the fp32 flush 3%)."""
+        return RING_KEY_PAD if self.tensor_core_flush(shape) else 0
+
     def consumer_warps(self) -> int:
         """An item's consumer warps (one group's)."""
         return self.rows_per_item // self.rows_per_warp
@@ -454,7 +459,7 @@ class GDNPipeConfig:
         act = shape.act_dtype.width // 8
         entry = shape.copies.entry
         box = R * entry.row_bytes + entry.scale_smem_bytes(R)  # the checkpoint's rows or the read copy's
-        ring = (cap * R * 2 + cap * (K + RING_KEY_PAD) * act + 2 * cap * 4) if shape.window > 1 else 0
+        ring = (cap * R * 2 + cap * (K + self.ring_key_pad(shape)) * act + 2 * cap * 4) if shape.window > 1 else 0
         rederive = (cap * R * act + 32 * 4 + cap * cap * 4) if shape.rederive else 0  # v, beta, the records' coupling
         amax = 4 * self.consumer_warps() if shape.copies.whole_state else 0
         return box + ring + rederive + amax + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
@@ -657,7 +662,7 @@ class GDNPipelinedDecode:
         sRingU, sRingK, sRingDot = None, None, None
         if cutlass.const_expr(ring):
             sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
-            sRingK = staged(smem, act, (cap, K), ST, row_pad=RING_KEY_PAD)
+            sRingK = staged(smem, act, (cap, K), ST, row_pad=c.ring_key_pad(s))
             sRingDot = staged(smem, Float32, (2, cap), ST)  # weighted k_p . k, k_p . q of live positions
         sRingV, sRingBeta, sSolve, sSk, sUre = None, None, None, None, None
         if cutlass.const_expr(rederive):

@@ -149,9 +149,13 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and the records' coupling
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta, the records' coupling
+    # and, for the tensor-core flush only, the ring keys' row padding
     config = gdn_pipe.GDNPipeConfig(4, 132, 128)
-    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4
+    padding = 16 * gdn_pipe.RING_KEY_PAD * fp16.act_dtype.width // 8
+    assert config.ring_key_pad(QWEN) == 0 and config.ring_key_pad(fp16) == gdn_pipe.RING_KEY_PAD
+    assert dataclasses.replace(config, mma_flush=False).ring_key_pad(fp16) == 0
+    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4 + padding
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
@@ -197,7 +201,8 @@ def test_gdn_consumer_groups_and_register_cap_checks():
 def test_gdn_tensor_core_flush_where_its_layout_fits():
     """A flush next to a read copy runs on tensor cores for 16-row warps with K a multiple of 32 up
     to 128 (a lane's quarter of two rows); elsewhere, or with mma_flush=False, on CUDA cores. Its
-    fold coefficients need the per-warp scratch a re-deriving cache has anyway; the fp8 default
+    fold coefficients need the per-warp scratch a re-deriving cache has anyway, and its operand loads
+    padded ring keys (the CUDA-core flush and the fp32 cache keep them unpadded); the fp8 default
     takes 2 stages (measured), the others as many as fit."""
     shapes = {read: GDNShape(**{**QWEN.__dict__, "read_copy": read, "keep_v_beta": True, "rederive": True})
               for read in ("fp16", "fp8", "nvfp4")}
@@ -212,8 +217,10 @@ def test_gdn_tensor_core_flush_where_its_layout_fits():
     assert dataclasses.replace(config, mma_flush=False).key() != config.key()
     folded = GDNShape(**{**fp16.__dict__, "rederive": False})  # no re-derivation: the scratch for the fold only
     per_scratch = 128 * 16 * 4 + 16
-    assert config.smem_bytes(folded) - dataclasses.replace(config, mma_flush=False).smem_bytes(folded) == per_scratch
-    assert config.smem_bytes(fp16) == dataclasses.replace(config, mma_flush=False).smem_bytes(fp16)
+    padding = config.stages * 16 * gdn_pipe.RING_KEY_PAD * fp16.act_dtype.width // 8  # its ring keys' rows, per stage
+    cuda_flush = dataclasses.replace(config, mma_flush=False)
+    assert config.smem_bytes(folded) - cuda_flush.smem_bytes(folded) == per_scratch + padding
+    assert config.smem_bytes(fp16) - cuda_flush.smem_bytes(fp16) == padding
     assert gdn_pipe.pipelined_config(shapes["fp8"], 132, "sm_90a").stages == 2
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > 2
 
