@@ -436,6 +436,32 @@ def fold_cols(cols: int) -> int:
 
 
 @cute.jit
+def add_coef_keys(acc: cute.Tensor, rCoef: cute.Tensor, sKeys: cute.Tensor, key_cols: cutlass.Constexpr,
+                  live_rows: cutlass.Constexpr, keys_exact: cutlass.Constexpr[bool]):
+    """acc (4, 1, NT) += Coef Keys on tensor cores (TF32, the coefficients split into hi + lo, the
+    keys too unless ``keys_exact``): Coef (16, 8 KF) the A fragments ``rCoef`` (4, KF), Keys rows
+    8 kf .. 8 kf + 7 of ``sKeys``, the lane's B column of n-tile n ``key_cols[n]`` (the caller's
+    column order). With ``live_rows`` (not None) rows from it on read as zero (the ring's stale
+    positions, past the staged keys)."""
+    lane = cute.arch.lane_idx()
+    nt = cute.size(acc, mode=[2])
+    for kf in cutlass.range_constexpr(cute.size(rCoef, mode=[1])):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = rCoef[i, kf]
+        rB = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), Float32)
+        for n in cutlass.range_constexpr(nt):
+            for i in cutlass.range_constexpr(2):
+                p = 8 * kf + lane % 4 + 4 * i
+                if cutlass.const_expr(live_rows is None):
+                    rB[i, n, 0] = sKeys[p, key_cols[n]].to(Float32)
+                else:
+                    key = sKeys[cutlass.min(p, live_rows - 1), key_cols[n]].to(Float32)
+                    rB[i, n, 0] = cutlass.select_(p < live_rows, key, Float32(0.0))
+        mma_tf32(acc, rA, rB, True, not keys_exact)
+
+
+@cute.jit
 def fold_into_checkpoint(mRow: cute.Tensor, sTile: cute.Tensor, stage, rCoef: cute.Tensor, sKeys: cute.Tensor,
                          gamma: Float32, fold_cols: cutlass.Constexpr[int], keys_exact: cutlass.Constexpr[bool]):
     """Store ``gamma S + Coef Keys`` for a warp's 16 rows: S the fp32 tile (stage ``stage``),
@@ -453,15 +479,7 @@ def fold_into_checkpoint(mRow: cute.Tensor, sTile: cute.Tensor, stage, rCoef: cu
         for n in cutlass.range_constexpr(nt):
             for i in cutlass.range_constexpr(4):
                 rNew[i, 0, n] = gamma * sTile[g4 + 8 * (i // 2), nc * fold_cols + 8 * n + 2 * c4 + i % 2, stage]
-        for kf in cutlass.range_constexpr(kf_steps):
-            rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-            for i in cutlass.range_constexpr(4):
-                rA[i, 0, 0] = rCoef[i, kf]
-            rB = cute.make_rmem_tensor(cute.make_layout((2, nt, 1)), Float32)
-            for n in cutlass.range_constexpr(nt):
-                for i in cutlass.range_constexpr(2):
-                    rB[i, n, 0] = sKeys[8 * kf + c4 + 4 * i, nc * fold_cols + 8 * n + g4].to(Float32)
-            mma_tf32(rNew, rA, rB, True, not keys_exact)
+        add_coef_keys(rNew, rCoef, sKeys, [nc * fold_cols + 8 * n + g4 for n in range(nt)], None, keys_exact)
         for n in cutlass.range_constexpr(nt):
             for half in cutlass.range_constexpr(2):
                 rPair = cute.make_rmem_tensor((2,), Float32)

@@ -76,8 +76,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, lane_scan, launch, load_past_l1, mma_tf32, pow2_at_least, prefetch_l2,
-                      slot_is_live, smem_fit, warp_reduce_many)
+from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, load_past_l1, mma_tf32, pow2_at_least,
+                      prefetch_l2, slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
@@ -372,20 +372,9 @@ def fragment_fold(rRows: cute.Tensor, sK: cute.Tensor, u: Float32, gamma: Float3
             for n in cutlass.range_constexpr(tiles):
                 for i in cutlass.range_constexpr(4):
                     acc[i, 0, n] = rRows[i // 2, 2 * (nc * tiles + n) + i % 2]
-            for kf in cutlass.range_constexpr(kf_steps):
-                rAk = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-                for i in cutlass.range_constexpr(4):
-                    rAk[i, 0, 0] = rA[i, kf]
-                # B column g of n-tile m: the column quad lane g // 2 holds as accumulator element g % 2
-                rB = cute.make_rmem_tensor(cute.make_layout((2, tiles, 1)), Float32)
-                for n in cutlass.range_constexpr(tiles):
-                    m = nc * tiles + n
-                    col = fragment_col(g // 2, 2 * m, piece) + g % 2
-                    for i in cutlass.range_constexpr(2):
-                        p = 8 * kf + t + 4 * i
-                        key = sKeys[cutlass.min(p, cap - 1), col].to(Float32)
-                        rB[i, n, 0] = cutlass.select_(p < cap, key, Float32(0.0))
-                mma_tf32(acc, rAk, rB, True, not keys_exact)
+            # B column g of n-tile m: the column quad lane g // 2 holds as accumulator element g % 2
+            cols = [fragment_col(g // 2, 2 * (nc * tiles + n), piece) + g % 2 for n in range(tiles)]
+            add_coef_keys(acc, rA, sKeys, cols, cap, keys_exact)
             for n in cutlass.range_constexpr(tiles):
                 for i in cutlass.range_constexpr(4):
                     rRows[i // 2, 2 * (nc * tiles + n) + i % 2] = acc[i, 0, n]
