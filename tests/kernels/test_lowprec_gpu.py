@@ -216,24 +216,27 @@ def test_light_read_copies_at_large_batch_configs(layer, ckpt, read, rows, warps
                         GDNConfig(rows, warps, ctas))
 
 
-PIPELINED_READ_CONFIGS = [  # stages, ctas, consumer groups, rows per warp, flush_tile, mma_fold
-    (2, 3, 1, 16, False, False), (6, 8, 1, 16, False, False), (4, 5, 2, 32, False, False), (6, 4, 3, 32, False, False),
-    (2, 3, 1, 16, True, True), (4, 5, 2, 32, True, True), (4, 4, 2, 32, True, False)]
+PIPELINED_READ_CONFIGS = [  # stages, ctas, consumer groups, rows per warp, flush_tile, mma_fold, heads per item
+    (2, 3, 1, 16, False, False, 1), (6, 8, 1, 16, False, False, 1), (4, 5, 2, 32, False, False, 1),
+    (6, 4, 3, 32, False, False, 1), (2, 3, 1, 16, True, True, 1), (4, 5, 2, 32, True, True, 1),
+    (4, 4, 2, 32, True, False, 1),
+    (2, 3, 1, 16, False, False, 2), (2, 5, 2, 32, False, False, 4), (2, 3, 1, 16, True, True, 2),
+    (2, 4, 2, 32, True, False, 2)]
 
 
 @pytest.mark.parametrize("read", ["fp16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("stages, ctas, groups, rows, flush_tile, mma_fold", PIPELINED_READ_CONFIGS)
-def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_tile, mma_fold):
+@pytest.mark.parametrize("stages, ctas, groups, rows, flush_tile, mma_fold, heads", PIPELINED_READ_CONFIGS)
+def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_tile, mma_fold, heads):
     """The pipelined decode next to a read copy on small grids: every CTA reuses its stages many
     times, with flushing items and non-flushing ones in the same ring (a flush's stage holds no
     tile and its rows fold in registers from global memory, or with flush_tile the fp32 checkpoint
     tile where the others hold the read copy's, folded on tensor or CUDA cores), with one or several consumer groups (16- and 32-row warps, each group
-    its own stages); teacher-forced as above (the read copy a flush writes is quant's RTN of the
-    checkpoint)."""
+    its own stages), items of one, two or four heads of a group (nvfp4: a state scale per head);
+    teacher-forced as above (the read copy a flush writes is quant's RTN of the checkpoint)."""
     from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
 
     config = Mamba2PipeConfig(stages, ctas, mma_fold=mma_fold, rows_per_warp=rows, consumer_groups=groups,
-                              flush_tile=flush_tile)
+                              flush_tile=flush_tile, heads_per_item=heads)
     _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, 4, "fp32", read), 4, "fp32", read, config)
 
 

@@ -12,7 +12,7 @@ from replayssm_cute.kernels.common import SMEM_PER_SM
 from replayssm_cute.kernels.gdn import pipelined as gdn_pipe
 from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
-from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
+from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config, pipelined_space
 from replayssm_cute.layers.common import PIPELINED_ENV
 from replayssm_cute.precompile import config_label
 
@@ -59,13 +59,40 @@ def test_read_copies_fold_in_registers_with_smaller_stages(read):
     assert config.stages > pipelined_config(SUPER, 132, "sm_90a").stages
     assert "do not fit" in dataclasses.replace(config, stages=config.stages + 2).check(shape)
     tile = {"fp16": 64 * 256, "fp8": 64 * 128 + 64 * 4, "nvfp4": 64 * 64 + 64 * 8}[read]
-    assert Mamba2PipeConfig.tile_bytes(shape) - tile in (0, 16)  # + the scales' alignment slack
-    assert Mamba2PipeConfig.tile_bytes(SUPER) == 64 * 128 * 4
+    assert Mamba2PipeConfig().tile_bytes(shape) - tile in (0, 16)  # + the scales' alignment slack
+    assert Mamba2PipeConfig().tile_bytes(SUPER) == 64 * 128 * 4
     bad = [(dict(window=1, capacity=1), "needs a ring")]
     if read == "nvfp4":
         bad.append((dict(dstate=96), "nvfp4 needs K a multiple of 32 with 2, 4 or 8"))
     for fields, words in bad:
         assert words in Mamba2PipeConfig(4, 132, mma_fold=False).check(Mamba2Shape(**{**shape.__dict__, **fields}))
+
+
+def test_items_of_several_heads_of_a_group():
+    """``heads_per_item`` consecutive heads of one group per item: a divisor of the heads per group
+    whose tiles make one TMA box (at most 256 rows). A stage holds every head's tile, ring x and dt,
+    x, z and scalars, and the group's B, C and ring B once; the tuner tries 1, 2 and 4 next to a
+    read copy only (an fp32 tile already fills a stage)."""
+    fp8 = Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"})
+    one = Mamba2PipeConfig(2, 264, mma_fold=False, min_ctas_per_sm=2, rows_per_warp=32, consumer_groups=2)
+    four = dataclasses.replace(one, heads_per_item=4)
+    assert one.check(fp8) is None and four.check(fp8) is None
+    per_head_tile = 64 * 128 + 64 * 4  # E4M3 rows and their block scales
+    per_head_rest = 16 * 64 * 2 + 2 * 64 * 2 + 32 * 4 + 8 * 4  # ring x, x and z (bf16), ring dt, scalars
+    assert four.tile_bytes(fp8) - 4 * per_head_tile in (0, 16)
+    assert four.stage_bytes(fp8) - one.stage_bytes(fp8) - 3 * (per_head_tile + per_head_rest) in (-16, 0, 16)
+    assert "heads_per_item 3: expected a divisor of the heads per group (16)" in \
+        dataclasses.replace(one, heads_per_item=3).check(fp8)
+    assert "one TMA box holds (256 rows)" in dataclasses.replace(one, heads_per_item=8).check(fp8)
+    assert "heads_per_item 0" in dataclasses.replace(one, heads_per_item=0).check(fp8)
+    assert four.key() != one.key()
+    assert config_label(four).endswith("_groups2_rpw32_heads4_ctas2") and "_heads" not in config_label(one)
+    assert config_label(dataclasses.replace(one, flush_tile=True)).endswith("_flushtile_ctas2")
+    space = pipelined_space(fp8, 132, "sm_90a")
+    assert {c.heads_per_item for c in space} == {1, 2, 4}
+    assert all(c.check(fp8) is None for c in space)
+    assert {c.heads_per_item for c in pipelined_space(SUPER, 132, "sm_90a")} == {1}
+    assert pipelined_config(fp8, 132, "sm_90a").heads_per_item == 1  # a default only once measured
 
 
 def test_read_copy_default_caps_registers_for_two_ctas_only_up_to_64_row_heads():
@@ -332,3 +359,36 @@ def test_pipelined_kernels_build_for_every_arch(build):
             # re-deriving flush a few bytes (at most 8 on sm_90a, the whole-head kernel held to 168 registers)
             continue
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"
+
+
+_SEVERAL_HEADS_BUILD = """
+import sys
+from replayssm_cute import precompile
+from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+super_ = dict(nheads=128, headdim=64, dstate=128, ngroups=8, window=16, capacity=16)
+for name, read, config in [
+        ("fp32", None, Mamba2PipeConfig(2, 132, heads_per_item=2)),
+        ("nvfp4", "nvfp4", Mamba2PipeConfig(4, 132, mma_fold=False, rows_per_warp=32, consumer_groups=2,
+                                              heads_per_item=2)),
+        ("fp8", "fp8", Mamba2PipeConfig(2, 132, mma_fold=True, flush_tile=True, heads_per_item=2))]:
+    precompile.dump_ptx("mamba2", Mamba2Shape(**super_, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_items_of_several_heads_build_for_every_arch(arch, tmp_path):
+    """Items of two heads (Nemotron-3-Super): the fp32 checkpoint's (its fold on tensor cores, each
+    head's rows from its place in the stage), next to an nvfp4 copy (a state scale per head, the
+    rows on tensor cores) and with an fp8 copy's flush tile, for each target: one TMA box per item
+    (a box of 128 rows), the copies' MMAs."""
+    env = _env(tmp_path / "cache")
+    env["CUTE_DSL_ARCH"] = arch
+    proc = subprocess.run([sys.executable, "-c", _SEVERAL_HEADS_BUILD, str(tmp_path)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
+    for name in ("fp32", "nvfp4", "fp8"):
+        text = (tmp_path / f"{name}.ptx").read_text()
+        assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
+        assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text) == (name != "nvfp4"), name
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (name != "fp32"), name
