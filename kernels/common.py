@@ -472,7 +472,6 @@ def fold_into_checkpoint(mRow: cute.Tensor, sTile: cute.Tensor, stage, rCoef: cu
     g4 = lane // 4
     c4 = lane % 4
     cols = cute.size(mRow, mode=[1])
-    kf_steps = cute.size(rCoef, mode=[1])
     nt = fold_cols // 8
     for nc in cutlass.range_constexpr(cols // fold_cols):
         rNew = cute.make_rmem_tensor(cute.make_layout((4, 1, nt)), Float32)

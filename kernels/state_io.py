@@ -1125,10 +1125,9 @@ def encode_store(fmt: cutlass.Constexpr[CopyFormat], stochastic: cutlass.Constex
         cute.autovec_copy(values, dst)
     else:
         factor = Float32(1.0)  # fp32 values are multiplied by this before rounding
-        block_lanes = fmt.block_k // vec
         amax = block_amax
-        if cutlass.const_expr(block_amax is None and fmt.name != "fp16"):  # fp16 has no scale
-            amax = _group_max(lane_amax(values), block_lanes)
+        if cutlass.const_expr(block_amax is None and fmt.scale_dtype is not None):  # only a scale needs it
+            amax = _group_max(lane_amax(values), fmt.block_k // vec)
         if cutlass.const_expr(fmt.name == "fp8"):
             scale = _div(amax, Float32(_E4M3_MAX), "rp")
             factor = _reciprocal_or_zero(scale)
