@@ -347,6 +347,16 @@ def ptx_ops(result_type, count: int, operands, asm: str, constraints: str, loc, 
     return [result_type(llvm.extractvalue(ty, result, [i], loc=loc, ip=ip)) for i in range(count)]
 
 
+@dsl_user_op
+def loop_variant(value: Int32, index: Int32, *, loc=None, ip=None) -> Int32:
+    """``value``, though to the compiler a function of the loop ``index``: what is loaded or
+    computed from it stays in the loop. LLVM's code motion would hoist a loop's invariant shared
+    memory loads out of it and keep them live across iterations, whatever the register pressure
+    (GDN's items of two heads: the stage's k, q and keys, 6 KB of spills)."""
+    return ptx_op(Int32, [Int32(value), Int32(index)], "{ .reg .b32 z; and.b32 z, $2, 0; add.s32 $0, $1, z; }",
+                  "=r,r,r", loc, ip)
+
+
 def f32_asm(result_type, x: Float32, asm: str, constraints: str, loc, ip):
     """One side-effect-free PTX instruction on fp32 ``x`` (``$1``) with one result (``$0``)."""
     return ptx_op(result_type, [Float32(x)], asm, constraints, loc, ip)

@@ -63,18 +63,16 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_scan, launch, load_past_l1,
                       pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
-from ..config_space import PIPELINE_STAGE_CHOICES
+from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy,
-                        acquire_stage, as_column, as_row, box_partition, copy_read_scales_async, copy_records_async,
-                        copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage, release_stage,
-                        residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
+                        ReadCopy, acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
+                        copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage,
+                        release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, smem_scale,
                         store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Shape, rows_on_tensor_cores
 
-MAX_BOX_ROWS = 256  # a TMA box's rows: an item's heads arrive in one
-HEADS_PER_ITEM_CHOICES = (1, 2, 4)  # the tuner's, next to a read copy
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)

@@ -67,6 +67,7 @@ def config_label(config) -> str:
             label += f"_rows{config.rows_per_item}_warps{config.consumer_warps()}"
             label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
             label += f"_groups{config.consumer_groups}" if config.consumer_groups != 1 else ""
+            label += f"_heads{config.heads_per_item}" if config.heads_per_item != 1 else ""
             label += "" if config.mma_dots else "_cudadots"
             label += "" if config.mma_flush else "_cudaflush"
             return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")

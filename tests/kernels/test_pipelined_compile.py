@@ -176,13 +176,19 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta, the records' coupling
-    # and, for the tensor-core flush only, the ring keys' row padding
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta, the records' coupling,
+    # for the tensor-core flush only the ring keys' row padding, and for rows dotted on tensor cores
+    # k and q as every lane's B fragments (8 k-steps of 16, four words a lane each)
     config = gdn_pipe.GDNPipeConfig(4, 132, 128)
     padding = 16 * gdn_pipe.RING_KEY_PAD * fp16.act_dtype.width // 8
+    fragments = 8 * 32 * 4 * 4
     assert config.ring_key_pad(QWEN) == 0 and config.ring_key_pad(fp16) == gdn_pipe.RING_KEY_PAD
     assert dataclasses.replace(config, mma_flush=False).ring_key_pad(fp16) == 0
-    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4 + padding
+    assert config.tensor_core_reads(fp16) and not config.tensor_core_reads(QWEN)
+    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == \
+        -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4 + padding + fragments
+    cuda_dots = dataclasses.replace(config, mma_dots=False)
+    assert not cuda_dots.tensor_core_reads(fp16) and config.stage_bytes(fp16) - cuda_dots.stage_bytes(fp16) == fragments
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
@@ -210,9 +216,10 @@ def test_gdn_consumer_groups_and_register_cap_checks():
                           (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"), (dict(stages=3, min_ctas_per_sm=2), "do not fit")]:
         assert words in dataclasses.replace(base, **fields).check(QWEN), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each)
-    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4
-    assert grouped.smem_bytes(QWEN) == base.smem_bytes(QWEN)
+    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each), and every
+    # consumer warp its head's weighted ring dots (2 x cap fp32)
+    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4 + 4 * 2 * 16 * 4
+    assert grouped.smem_bytes(QWEN) - base.smem_bytes(QWEN) == 4 * 2 * 16 * 4
     for shape in (QWEN, fp16):
         space = gdn_pipe.pipelined_space(shape, 132, "sm_90a")
         grouped_space = [c for c in space if c.consumer_groups == 2]
@@ -250,6 +257,39 @@ def test_gdn_tensor_core_flush_where_its_layout_fits():
     assert config.smem_bytes(fp16) - cuda_flush.smem_bytes(fp16) == padding
     assert gdn_pipe.pipelined_config(shapes["fp8"], 132, "sm_90a").stages == 2
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > 2
+
+
+def test_gdn_items_of_several_value_heads_of_a_key_head():
+    """``heads_per_item`` consecutive value heads of one key head per item: whole heads, a divisor
+    of the value heads per key head (4 on Qwen3.5-122B), one TMA box (at most 256 rows), a producer
+    chunk of at most 4 heads (it holds their v twice). A stage holds each head's rows, u, v, gates,
+    beta and coupling, the key head's keys, k, q and ring dots once; the tuner tries them next to a
+    read copy only (two fp32 heads fill a stage), and no default takes them before they are measured."""
+    fp8 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp8", "keep_v_beta": True, "rederive": True})
+    one = gdn_pipe.GDNPipeConfig(2, 132, 128, prefetch=2)
+    two = dataclasses.replace(one, heads_per_item=2)
+    assert one.check(fp8) is None and two.check(fp8) is None and two.key() != one.key()
+    entry, R, cap = fp8.copies.entry, 128, 16
+    per_head = (R * entry.row_bytes + entry.scale_smem_bytes(R)  # the copy's rows and block scales
+                + cap * R * 2 + cap * R * 2 + 32 * 4 + cap * cap * 4  # ring u, v, beta, the coupling
+                + R * 4 + 32 * 4 + gdn_pipe.META * 4)  # this token's v, ring g, the head's scalars
+    assert two.stage_bytes(fp8) - one.stage_bytes(fp8) - per_head in (-16, 0, 16)  # the scales' alignment
+    assert two.smem_bytes(fp8) - one.smem_bytes(fp8) == 2 * (two.stage_bytes(fp8) - one.stage_bytes(fp8))
+    for fields, words in [(dict(heads_per_item=3), "expected a divisor of the value heads per key head (4)"),
+                          (dict(heads_per_item=0), "heads_per_item 0"),
+                          (dict(heads_per_item=4), "one TMA box holds (256 rows)"),
+                          (dict(heads_per_item=2, rows_per_item=64), "whole heads (rows_per_item 128, not 64)"),
+                          (dict(heads_per_item=2, prefetch=4), "at most 4 heads' inputs a chunk")]:
+        assert words in dataclasses.replace(one, **fields).check(fp8), fields
+    assert config_label(two).endswith("_prefetch2_heads2") and "_heads" not in config_label(one)
+    for arch, prefetch in [("sm_90a", 2), ("sm_100a", 1)]:
+        space = gdn_pipe.pipelined_space(fp8, 132, arch)
+        assert {c.heads_per_item for c in space} == {1, 2}
+        assert all(c.check(fp8) is None for c in space)
+        assert {c.prefetch for c in space if c.heads_per_item == 2} == {prefetch}
+        assert len({config_label(c) for c in space}) == len(space)
+    assert {c.heads_per_item for c in gdn_pipe.pipelined_space(QWEN, 132, "sm_90a")} == {1}
+    assert gdn_pipe.pipelined_config(fp8, 132, "sm_90a").heads_per_item == 1  # a default only once measured
 
 
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
@@ -365,6 +405,8 @@ _SEVERAL_HEADS_BUILD = """
 import sys
 from replayssm_cute import precompile
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+from replayssm_cute.kernels.gdn.config import GDNShape
+from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
 super_ = dict(nheads=128, headdim=64, dstate=128, ngroups=8, window=16, capacity=16)
 for name, read, config in [
@@ -373,6 +415,12 @@ for name, read, config in [
                                               heads_per_item=2)),
         ("fp8", "fp8", Mamba2PipeConfig(2, 132, mma_fold=True, flush_tile=True, heads_per_item=2))]:
     precompile.dump_ptx("mamba2", Mamba2Shape(**super_, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
+qwen = dict(num_v_heads=64, head_v_dim=128, head_k_dim=128, num_k_heads=16, window=16, capacity=16,
+            keep_v_beta=True, rederive=True)
+for name, read, config in [
+        ("gdn_fp8", "fp8", GDNPipeConfig(2, 132, 128, prefetch=2, mma_dots=False, heads_per_item=2)),
+        ("gdn_nvfp4", "nvfp4", GDNPipeConfig(2, 132, 128, prefetch=2, heads_per_item=2))]:
+    precompile.dump_ptx("gdn", GDNShape(**qwen, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
 """
 
 
@@ -380,15 +428,16 @@ for name, read, config in [
 def test_items_of_several_heads_build_for_every_arch(arch, tmp_path):
     """Items of two heads (Nemotron-3-Super): the fp32 checkpoint's (its fold on tensor cores, each
     head's rows from its place in the stage), next to an nvfp4 copy (a state scale per head, the
-    rows on tensor cores) and with an fp8 copy's flush tile, for each target: one TMA box per item
-    (a box of 128 rows), the copies' MMAs."""
+    rows on tensor cores) and with an fp8 copy's flush tile; and of two value heads of a key head
+    (Qwen3.5-122B, re-deriving flushes on tensor cores) next to an fp8 copy (rows on CUDA cores) and
+    an nvfp4 one (rows on tensor cores); for each target: one TMA box per item, the copies' MMAs."""
     env = _env(tmp_path / "cache")
     env["CUTE_DSL_ARCH"] = arch
     proc = subprocess.run([sys.executable, "-c", _SEVERAL_HEADS_BUILD, str(tmp_path)], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
-    for name in ("fp32", "nvfp4", "fp8"):
+    for name in ("fp32", "nvfp4", "fp8", "gdn_fp8", "gdn_nvfp4"):
         text = (tmp_path / f"{name}.ptx").read_text()
         assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
         assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text) == (name != "nvfp4"), name
-        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (name != "fp32"), name
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (name not in ("fp32", "gdn_fp8")), name
