@@ -521,21 +521,22 @@ class GDNPipeConfig:
         entry = shape.copies.entry
         box = R * entry.row_bytes + entry.scale_smem_bytes(R)  # the checkpoint's rows or the read copy's
         ring = (cap * R * 2 + cap * (K + self.ring_key_pad(shape)) * act + 2 * cap * 4) if shape.window > 1 else 0
-        # per head v, beta and the records' coupling
-        rederive = (cap * R * act + HI * 32 * 4 + HI * cap * cap * 4) if shape.rederive else 0
+        rederive = (cap * R * act + HI * 32 * 4) if shape.rederive else 0  # the records' v, each head's beta
         amax = 4 * self.consumer_warps() * HI if shape.copies.whole_state else 0
-        fragments = len(dot_fragments(shape.copies.read, 2)) * 32 * 16 if self.tensor_core_reads(shape) else 0
-        return box + ring + rederive + amax + fragments + (2 * K + R) * 4 + HI * 32 * 4 + (1 + HI) * META * 4 + 128
+        return box + ring + rederive + amax + (2 * K + R) * 4 + HI * 32 * 4 + (1 + HI) * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
-        # per consumer warp, by position and row (not staged): a re-deriving flush's S_ckpt k_p and
-        # re-derived u, the latter also the tensor-core flush's fold coefficients; the weighted
-        # ring dots of the head it computes
-        cap, warps = shape.capacity, self.consumer_groups * self.consumer_warps()
-        per_scratch = self.rows_per_item * self.consumer_groups * cap * 4 + 16
+        # not staged: per consumer warp, by position and row, a re-deriving flush's S_ckpt k_p and
+        # re-derived u, the latter also the tensor-core flush's fold coefficients, and the weighted
+        # ring dots of the head it computes; per consumer group each head's coupling of the records
+        # and two buffers of B fragments
+        cap, G, warps = shape.capacity, self.consumer_groups, self.consumer_groups * self.consumer_warps()
+        per_scratch = self.rows_per_item * G * cap * 4 + 16
         scratch = per_scratch * (2 if shape.rederive else 1 if self.tensor_core_flush(shape) else 0)
         weighted_dots = 2 * cap * 4 * warps + 16 if shape.window > 1 else 0
-        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch + weighted_dots
+        coupling = G * self.heads_per_item * cap * cap * 4 + 16 if shape.rederive else 0
+        fragments = 2 * G * len(dot_fragments(shape.copies.read, 2)) * 32 * 16 + 16 if self.tensor_core_reads(shape) else 0
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch + weighted_dots + coupling + fragments
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
@@ -733,9 +734,12 @@ class GDNPipelinedDecode:
         # the read copy's with their scales; head i's from i R), the ring records it reads, this
         # token's q, k, v (fp32) and the item's scalars (per head where they are a value head's);
         # a full and an empty mbarrier per stage; with re-derived corrections the records' v and
-        # beta and each head's coupling per stage; each consumer warp's (of every group) weighted
-        # ring dots of its head, S_ckpt k_p and re-derived u (with a tensor-core flush, the u
-        # scratch also without re-derivation: it hands the fold's coefficients to the A fragments).
+        # beta per stage; per consumer group each head's coupling (written after the item's first
+        # barrier, which every warp reaches only once done with the previous item) and, for a read
+        # copy's rows on tensor cores, k and q as every lane's B fragments (written before it: two
+        # buffers, live items taking turns); each consumer warp's (of every group) weighted ring
+        # dots of its head, S_ckpt k_p and re-derived u (with a tensor-core flush, the u scratch
+        # also without re-derivation: it hands the fold's coefficients to the A fragments).
         smem = SmemAllocator()
         sState = staged(smem, entry.storage, (RI, entry.cols), ST, byte_alignment=128)
         sReadScale, sAmax = None, None
@@ -755,15 +759,20 @@ class GDNPipelinedDecode:
         if cutlass.const_expr(rederive):
             sRingV = staged(smem, act, (cap, RI), ST)
             sRingBeta = staged(smem, Float32, (32, HI), ST)
-            sSolve = staged(smem, Float32, (cap, cap, HI), ST)
+            sSolve = smem.allocate_tensor(Float32, cute.make_layout((cap, cap, HI, G), stride=(cap, 1, cap * cap,
+                                                                                            cap * cap * HI)),
+                                          byte_alignment=16)
             sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                        byte_alignment=16)
         if cutlass.const_expr(rederive or mma_flush):  # the re-derived u, then the tensor-core fold's coefficients
             sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                         byte_alignment=16)
         sKQFragments = None
-        if cutlass.const_expr(mma_reads):  # k and q as the row dots' B fragments, each lane's (share_b_fragments)
-            sKQFragments = staged(smem, Int32, (len(dot_fragments(read, 2)), 32, 4), ST)
+        if cutlass.const_expr(mma_reads):  # (fragments, lane, words, buffer 2 g + parity): share_b_fragments
+            fragments = len(dot_fragments(read, 2))
+            sKQFragments = smem.allocate_tensor(Int32, cute.make_layout((fragments, 32, 4, 2 * G),
+                                                                        stride=(128, 4, 1, 128 * fragments)),
+                                                byte_alignment=16)
         sQ = staged(smem, Float32, (K,), ST)
         sK = staged(smem, Float32, (K,), ST)
         sV = staged(smem, Float32, (RI,), ST)
@@ -901,6 +910,7 @@ class GDNPipelinedDecode:
             r0 = cw * RW  # the warp's first row of a head's part
             i_row = r0 + lr  # this lane's state row within the part
             it = Int32(0)
+            live_items = Int32(0)  # the group's live items so far: their B fragments' buffers alternate
             for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
                 row = item // (HVI * parts)
                 vhead0 = (item // parts) % HVI * HI
@@ -915,6 +925,7 @@ class GDNPipelinedDecode:
                     kq = sMetaF[META_KQ, 0, stage]
                     flush = h + 1 >= L  # h == L only after a speculative commit
                     pos_h = (origin + h) % cap
+                    fragments_buffer = 2 * cg + live_items % 2
                     # The key head's ring dots k_p . k and k_p . q (each head weights them for itself
                     # below) and, for a read copy's rows on tensor cores, k and q as B fragments: once
                     # for the item's heads, split over the warps.
@@ -924,7 +935,7 @@ class GDNPipelinedDecode:
                         if cutlass.const_expr(mma_reads):
                             if not flush:
                                 share_b_fragments(read, lane_vectors(sK[None, stage], sQ[None, stage], vec), kq_ups,
-                                                  sKQFragments[None, None, None, stage], cw, CW)
+                                                  sKQFragments[None, None, None, fragments_buffer], cw, CW)
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                     for hi in cutlass.range(HI, unroll=1):
@@ -981,7 +992,7 @@ class GDNPipelinedDecode:
                                                                                       Float32(0.0))
                             if cutlass.const_expr(rederive):
                                 if flush:
-                                    solve_matrix(sRingK[None, None, st], sSolve[None, None, hi, st], g_j, beta_lane,
+                                    solve_matrix(sRingK[None, None, st], sSolve[None, None, hi, cg], g_j, beta_lane,
                                                  origin, h, cw, CW, cap, act.width <= 16)
                                     cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
                             cute.arch.sync_warp()  # the weighted dots
@@ -1026,7 +1037,7 @@ class GDNPipelinedDecode:
                                 if cutlass.const_expr(read.scale_dtype is not None):
                                     sScaleRows = cute.local_tile(sReadScale[None, None, st],
                                                                  (RW, read.scales_per_row), (hi * CW + cw, 0))
-                                rB = shared_b_fragments(read, sKQFragments[None, None, None, st], 2)
+                                rB = shared_b_fragments(read, sKQFragments[None, None, None, fragments_buffer], 2)
                                 dots = mma_row_dots(read, cute.local_tile(sState[None, None, st], (RW, entry.cols),
                                                                           (hi * CW + cw, 0)),
                                                     sScaleRows, rB, 2, state_scale)
@@ -1048,7 +1059,7 @@ class GDNPipelinedDecode:
                         if cutlass.const_expr(rederive):
                             if flush:
                                 cute.arch.sync_warp()  # the warp's S_ckpt k_p
-                                coupled_substitution(sSolve[None, None, hi, st], sSk[None, None, scratch],
+                                coupled_substitution(sSolve[None, None, hi, cg], sSk[None, None, scratch],
                                                      cute.local_tile(sRingV[None, None, st], (cap, RW), (0, hi * CW + cw)),
                                                      sUre[None, None, scratch], beta_lane, rU, g_j, origin, h, RW, cap)
 
@@ -1092,6 +1103,7 @@ class GDNPipelinedDecode:
                                         if cutlass.const_expr(s.keep_v_beta):
                                             mRingBeta[slot64, pos_h, vhead] = beta
                         cute.arch.sync_warp()  # the warp's scratch read before the next head writes it
+                    live_items = live_items + 1
                 release_stage(empty, stage)
                 it = it + 1
 

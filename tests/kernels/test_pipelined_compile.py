@@ -176,19 +176,19 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta, the records' coupling,
-    # for the tensor-core flush only the ring keys' row padding, and for rows dotted on tensor cores
-    # k and q as every lane's B fragments (8 k-steps of 16, four words a lane each)
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and for the tensor-core
+    # flush only the ring keys' row padding; outside the stages the records' coupling (a group's)
+    # and, for rows dotted on tensor cores, two buffers of k and q as every lane's B fragments (8
+    # k-steps of 16, four words a lane each)
     config = gdn_pipe.GDNPipeConfig(4, 132, 128)
     padding = 16 * gdn_pipe.RING_KEY_PAD * fp16.act_dtype.width // 8
-    fragments = 8 * 32 * 4 * 4
     assert config.ring_key_pad(QWEN) == 0 and config.ring_key_pad(fp16) == gdn_pipe.RING_KEY_PAD
     assert dataclasses.replace(config, mma_flush=False).ring_key_pad(fp16) == 0
     assert config.tensor_core_reads(fp16) and not config.tensor_core_reads(QWEN)
-    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == \
-        -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4 + padding + fragments
+    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + padding
     cuda_dots = dataclasses.replace(config, mma_dots=False)
-    assert not cuda_dots.tensor_core_reads(fp16) and config.stage_bytes(fp16) - cuda_dots.stage_bytes(fp16) == fragments
+    assert not cuda_dots.tensor_core_reads(fp16) and config.stage_bytes(fp16) == cuda_dots.stage_bytes(fp16)
+    assert config.smem_bytes(fp16) - cuda_dots.smem_bytes(fp16) == 2 * 8 * 32 * 4 * 4 + 16
     assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
@@ -216,9 +216,10 @@ def test_gdn_consumer_groups_and_register_cap_checks():
                           (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"), (dict(stages=3, min_ctas_per_sm=2), "do not fit")]:
         assert words in dataclasses.replace(base, **fields).check(QWEN), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each), and every
-    # consumer warp its head's weighted ring dots (2 x cap fp32)
-    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4 + 4 * 2 * 16 * 4
+    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each), every
+    # consumer warp its head's weighted ring dots (2 x cap fp32), each group the records' coupling
+    # (cap x cap fp32) and two buffers of B fragments (8 of 32 lanes x 16 bytes)
+    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4 + 4 * 2 * 16 * 4 + 16 * 16 * 4 + 2 * 8 * 512
     assert grouped.smem_bytes(QWEN) - base.smem_bytes(QWEN) == 4 * 2 * 16 * 4
     for shape in (QWEN, fp16):
         space = gdn_pipe.pipelined_space(shape, 132, "sm_90a")
@@ -271,10 +272,11 @@ def test_gdn_items_of_several_value_heads_of_a_key_head():
     assert one.check(fp8) is None and two.check(fp8) is None and two.key() != one.key()
     entry, R, cap = fp8.copies.entry, 128, 16
     per_head = (R * entry.row_bytes + entry.scale_smem_bytes(R)  # the copy's rows and block scales
-                + cap * R * 2 + cap * R * 2 + 32 * 4 + cap * cap * 4  # ring u, v, beta, the coupling
+                + cap * R * 2 + cap * R * 2 + 32 * 4  # ring u, v, beta
                 + R * 4 + 32 * 4 + gdn_pipe.META * 4)  # this token's v, ring g, the head's scalars
     assert two.stage_bytes(fp8) - one.stage_bytes(fp8) - per_head in (-16, 0, 16)  # the scales' alignment
-    assert two.smem_bytes(fp8) - one.smem_bytes(fp8) == 2 * (two.stage_bytes(fp8) - one.stage_bytes(fp8))
+    # and outside the stages each head's coupling of the records
+    assert two.smem_bytes(fp8) - one.smem_bytes(fp8) == 2 * (two.stage_bytes(fp8) - one.stage_bytes(fp8)) + cap * cap * 4
     for fields, words in [(dict(heads_per_item=3), "expected a divisor of the value heads per key head (4)"),
                           (dict(heads_per_item=0), "heads_per_item 0"),
                           (dict(heads_per_item=4), "one TMA box holds (256 rows)"),
