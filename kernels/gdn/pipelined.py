@@ -89,9 +89,9 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, MET
                         ReadCopy, acquire_stage, as_column, box_partition, copy_read_scales_async,
                         copy_records_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
                         residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots, share_b_fragments,
-                        shared_b_fragments,
-                        ring_coefficients, smem_scale, store_copies, store_copies_at, warps_state_scale)
+from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots, ring_coefficients,
+                        share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
+                        warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
 from .decode import rederived_by_position
@@ -703,7 +703,7 @@ class GDNPipelinedDecode:
         HI = c.heads_per_item
         RI = HI * R  # an item's rows: its heads' one after the other
         parts = V // R  # items per value head (1 where an item has several heads)
-        HVI = HV // HI  # items of a row's part
+        HVI = HV // HI  # a row's items per part: its groups of HI value heads
         vec = s.k_vec
         KL = K // vec  # lanes that hold part of a K row
         rep = HV // H
