@@ -241,6 +241,20 @@ def lane_scan(value: Float32, reverse: cutlass.Constexpr[bool] = False) -> Float
 
 
 @cute.jit
+def record_values(current: Float32, recorded: Float32, h: Int32, ring: cutlass.Constexpr[bool]):
+    """(value, tail) of the records a step weighs, a lane each: lane j < h holds record j's value
+    (``recorded``, read only with a ``ring``), lane h this token's ``current``, the lanes after it
+    zero; tail is the sum over lanes j .. 31 (a reversed inclusive scan), so a record's decay
+    since it was written is the tail past its lane."""
+    lane = cute.arch.lane_idx()
+    value = cutlass.select_(lane == h, current, Float32(0.0))
+    if cutlass.const_expr(ring):
+        if lane < h:
+            value = recorded
+    return value, lane_scan(value, reverse=True)
+
+
+@cute.jit
 def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
     """Sum each of n per-lane values (a power of two up to 32) over the warp in n - 1 + 5 - log2(n)
     shuffles instead of 5 n: every step halves the values a lane carries and trades the other

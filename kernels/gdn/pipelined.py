@@ -82,7 +82,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, load_past_l1, loop_variant, mma_tf32,
-                      pow2_at_least, prefetch_l2, slot_is_live, smem_fit, warp_reduce_many)
+                      pow2_at_least, prefetch_l2, record_values, slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES, PREFETCH_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
@@ -960,15 +960,13 @@ class GDNPipelinedDecode:
 
                         # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
                         # exp(sum of the later g, this token's included).
-                        g_j = cutlass.select_(lane == h, g, Float32(0.0))
+                        g_rec = Float32(0.0)
                         if cutlass.const_expr(ring):
                             p_lane = lane % cap
                             g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, hi, st],
                                                      Float32(0.0))
                             g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
-                            if lane < h:
-                                g_j = g_rec
-                        tail = lane_scan(g_j, reverse=True)
+                        g_j, tail = record_values(g, g_rec, h, ring)
                         w_j = cute.math.exp(tail - g_j, fastmath=False)
                         gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -61,8 +61,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_scan, launch, load_past_l1,
-                      pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
+from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, launch, load_past_l1, pow2_at_least,
+                      prefetch_l2, record_values, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
@@ -558,12 +558,10 @@ class Mamba2PipelinedDecode:
                         x_cur = x_raw.to(Float32)
 
                         # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
-                        dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
+                        dt_rec = Float32(0.0)
                         if cutlass.const_expr(ring):
                             dt_rec = sRingDt[(origin + lane) % cap, i, stage]
-                            if lane < h:
-                                dt_j = dt_rec
-                        tail = lane_scan(dt_j, reverse=True)
+                        dt_j, tail = record_values(dt_cur, dt_rec, h, ring)
                         w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
                         gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 
