@@ -103,6 +103,10 @@ META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates, k . q (head 0
 # takes 2 (H200, both registry GDN shapes, batches 32-1024: 4-9% faster than 6, the tuner's
 # winner at every bucket; sweeps/results/README.md, "GDN read copies on the pipeline by default").
 MAX_DEFAULT_STAGES = {"fp8": 2}
+# Items of two value heads next to a read copy, in two stages (H200, Qwen3.5-122B, batch 64 / 256:
+# window mean 1.13-1.17x one-head items for fp8 and nvfp4, 0.99-1.03x for fp16; more stages of them
+# were slower; sweeps/results/README.md, "GDN items of two value heads by default").
+READ_COPY_HEADS_PER_ITEM = 2
 MMA_FLUSH_ROWS = 16  # a tensor-core flush's warp rows: one m16 tile, lane 4 g + t holding rows g and g + 8
 RING_KEY_PAD = 8  # elements after each staged ring key: the tensor-core flush's column reads of the keys spread over the banks
 MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
@@ -140,19 +144,18 @@ def lane_vectors(sK: cute.Tensor, sQ: cute.Tensor, vec: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def key_head_ring_dots(sRingK: cute.Tensor, sK: cute.Tensor, sQ: cute.Tensor, sRingDot: cute.Tensor, worker: Int32,
+def key_head_ring_dots(sRingK: cute.Tensor, rK: cute.Tensor, rQ: cute.Tensor, sRingDot: cute.Tensor, worker: Int32,
                        workers: cutlass.Constexpr[int], cap: cutlass.Constexpr[int], vec: cutlass.Constexpr[int]):
     """``sRingDot[0, p]`` = k_p . k and ``sRingDot[1, p]`` = k_p . q for the staged ring keys
-    ``sRingK`` (cap, K; stale ones zero) and this token's fp32 k and q: the same for every value
-    head of the key head, split over ``workers`` warps (this one is ``worker``: positions
-    worker, worker + workers, ...; a lane's value 2 i / 2 i + 1 are those of its i-th); a lane
-    holds ``vec`` consecutive elements of k and q."""
+    ``sRingK`` (cap, K; stale ones zero) and this token's fp32 k and q (``rK``, ``rQ``: the lane's
+    ``vec`` consecutive elements, ``lane_vectors``): the same for every value head of the key head,
+    split over ``workers`` warps (this one is ``worker``: positions worker, worker + workers, ...;
+    a lane's value 2 i / 2 i + 1 are those of its i-th)."""
     lane = cute.arch.lane_idx()
-    K = cute.size(sK)
+    K = cute.size(sRingK, mode=[1])
     pos_per_warp = (cap + workers - 1) // workers
     n_dots = pow2_at_least(2 * pos_per_warp)
     dot_shift = 5 - (n_dots.bit_length() - 1)
-    rK, rQ = lane_vectors(sK, sQ, vec)
     rDots = cute.make_rmem_tensor((n_dots,), Float32)
     rDots.fill(0.0)
     if lane < K // vec:
@@ -604,7 +607,7 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
                     for groups in (1, 2):
                         for stages in PIPELINE_STAGE_CHOICES:
                             config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp,
-                                                   max(1, default.prefetch // heads), groups, heads_per_item=heads)
+                                                   max(1, producer_prefetch(arch) // heads), groups, heads_per_item=heads)
                             if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
                                 continue
                             if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
@@ -615,20 +618,29 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
 
 
 def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNPipeConfig]:
-    """Whole heads per item where they take at most 8 consumer warps of 16 rows (the ring dots
-    split over more warps, and more warps per SM to hide the per-item latency: on the H200,
-    Qwen3.5-122B at batch 256, 303 us a layer against 353 for half heads), else half heads; as many
-    stages as fit up to ``MAX_DEFAULT_STAGES`` of the read copy, one CTA per SM, the target's
-    producer chunk, a read copy's row dots on the unit measured faster for it
-    (``CUDA_CORE_DOT_READS``); None if the kernel cannot take `shape`."""
+    """Next to a read copy, items of ``READ_COPY_HEADS_PER_ITEM`` whole value heads of a key head
+    in two stages where the shape takes them; else whole heads per item where they take at most 8
+    consumer warps of 16 rows (the ring dots split over more warps, and more warps per SM to hide
+    the per-item latency: on the H200, Qwen3.5-122B at batch 256, 303 us a layer against 353 for
+    half heads), else half heads, as many stages as fit up to ``MAX_DEFAULT_STAGES`` of the read
+    copy. One CTA per SM, the target's producer chunk (cut to the heads an item holds), a read
+    copy's row dots on the unit measured faster for it (``CUDA_CORE_DOT_READS``); None if the
+    kernel cannot take `shape`."""
     V = shape.head_v_dim
+    mma_dots = shape.read_copy not in CUDA_CORE_DOT_READS
+    if shape.read_copy is not None:
+        heads = READ_COPY_HEADS_PER_ITEM
+        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=max(1, producer_prefetch(arch) // heads),
+                               mma_dots=mma_dots, heads_per_item=heads)
+        if config.check(shape) is None:
+            return config
     most = MAX_DEFAULT_STAGES.get(shape.read_copy, 6)
     for rows in (V, V // 2):
         if rows % 16 or rows > 128:
             continue
         for stages in range(most, 1, -1):
             config = GDNPipeConfig(stages=stages, ctas=sm_count, rows_per_item=rows,
-                                   prefetch=producer_prefetch(arch), mma_dots=shape.read_copy not in CUDA_CORE_DOT_READS)
+                                   prefetch=producer_prefetch(arch), mma_dots=mma_dots)
             if config.check(shape) is None:
                 return config
     return None
@@ -930,11 +942,12 @@ class GDNPipelinedDecode:
                     # below) and, for a read copy's rows on tensor cores, k and q as B fragments: once
                     # for the item's heads, split over the warps.
                     if cutlass.const_expr(ring):
-                        key_head_ring_dots(sRingK[None, None, stage], sK[None, stage], sQ[None, stage],
-                                           sRingDot[None, None, stage], cw, CW, cap, vec)
+                        rKeyK, rKeyQ = lane_vectors(sK[None, stage], sQ[None, stage], vec)
+                        key_head_ring_dots(sRingK[None, None, stage], rKeyK, rKeyQ, sRingDot[None, None, stage],
+                                           cw, CW, cap, vec)
                         if cutlass.const_expr(mma_reads):
                             if not flush:
-                                share_b_fragments(read, lane_vectors(sK[None, stage], sQ[None, stage], vec), kq_ups,
+                                share_b_fragments(read, (rKeyK, rKeyQ), kq_ups,
                                                   sKQFragments[None, None, None, fragments_buffer], cw, CW)
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 

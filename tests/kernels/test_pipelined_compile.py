@@ -189,7 +189,8 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
     cuda_dots = dataclasses.replace(config, mma_dots=False)
     assert not cuda_dots.tensor_core_reads(fp16) and config.stage_bytes(fp16) == cuda_dots.stage_bytes(fp16)
     assert config.smem_bytes(fp16) - cuda_dots.smem_bytes(fp16) == 2 * 8 * 32 * 4 * 4 + 16
-    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
+    one_head = gdn_pipe.pipelined_config(GDNShape(**{**fp16.__dict__, "num_v_heads": 48}), 132, "sm_90a")  # 3 a key head
+    assert one_head.heads_per_item == 1 and one_head.stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
     assert "rows_per_item 24" in gdn_pipe.GDNPipeConfig(4, 132, 24, 16).check(QWEN)
@@ -256,8 +257,9 @@ def test_gdn_tensor_core_flush_where_its_layout_fits():
     cuda_flush = dataclasses.replace(config, mma_flush=False)
     assert config.smem_bytes(folded) - cuda_flush.smem_bytes(folded) == per_scratch + padding
     assert config.smem_bytes(fp16) - cuda_flush.smem_bytes(fp16) == padding
-    assert gdn_pipe.pipelined_config(shapes["fp8"], 132, "sm_90a").stages == 2
-    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > 2
+    one_head = {read: GDNShape(**{**shape.__dict__, "num_v_heads": 48}) for read, shape in shapes.items()}
+    assert gdn_pipe.pipelined_config(one_head["fp8"], 132, "sm_90a").stages == 2
+    assert gdn_pipe.pipelined_config(one_head["fp16"], 132, "sm_90a").stages > 2
 
 
 def test_gdn_items_of_several_value_heads_of_a_key_head():
@@ -265,7 +267,8 @@ def test_gdn_items_of_several_value_heads_of_a_key_head():
     of the value heads per key head (4 on Qwen3.5-122B), one TMA box (at most 256 rows), a producer
     chunk of at most 4 heads (it holds their v twice). A stage holds each head's rows, u, v, gates,
     beta and coupling, the key head's keys, k, q and ring dots once; the tuner tries them next to a
-    read copy only (two fp32 heads fill a stage), and no default takes them before they are measured."""
+    read copy only (two fp32 heads fill a stage); a read copy's default takes two heads in two
+    stages where the shape lets it (measured), one head where the key head's value heads are odd."""
     fp8 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp8", "keep_v_beta": True, "rederive": True})
     one = gdn_pipe.GDNPipeConfig(2, 132, 128, prefetch=2)
     two = dataclasses.replace(one, heads_per_item=2)
@@ -291,7 +294,16 @@ def test_gdn_items_of_several_value_heads_of_a_key_head():
         assert {c.prefetch for c in space if c.heads_per_item == 2} == {prefetch}
         assert len({config_label(c) for c in space}) == len(space)
     assert {c.heads_per_item for c in gdn_pipe.pipelined_space(QWEN, 132, "sm_90a")} == {1}
-    assert gdn_pipe.pipelined_config(fp8, 132, "sm_90a").heads_per_item == 1  # a default only once measured
+    for arch, prefetch in [("sm_90a", 2), ("sm_100a", 1)]:
+        default = gdn_pipe.pipelined_config(fp8, 132, arch)
+        assert (default.heads_per_item, default.stages, default.prefetch) == (2, 2, prefetch)
+        assert default in gdn_pipe.pipelined_space(fp8, 132, arch)
+    for read, mma_dots in [("fp16", False), ("fp8", False), ("nvfp4", True)]:
+        default = gdn_pipe.pipelined_config(GDNShape(**{**fp8.__dict__, "read_copy": read}), 132, "sm_90a")
+        assert (default.heads_per_item, default.mma_dots) == (2, mma_dots), read
+    odd = GDNShape(**{**fp8.__dict__, "num_v_heads": 48})  # 3 value heads a key head
+    assert gdn_pipe.pipelined_config(odd, 132, "sm_90a").heads_per_item == 1
+    assert gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").heads_per_item == 1  # two fp32 heads do not fit a stage
 
 
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
@@ -303,12 +315,13 @@ def test_producer_chunk_per_target(arch, prefetch):
 
 @pytest.mark.parametrize("arch, forced, window, batch, pipelined", [
     ("sm_90a", None, 16, 8, True), ("sm_90a", None, 16, 16, True), ("sm_90a", None, 16, 32, True),
-    ("sm_90a", None, 16, 256, True), ("sm_90a", None, 16, 4, False), ("sm_90a", None, 1, 256, False),
+    ("sm_90a", None, 16, 256, True), ("sm_90a", None, 16, 8, True), ("sm_90a", None, 16, 4, False),
+    ("sm_90a", None, 1, 256, False),
     ("sm_100a", None, 16, 256, False), ("sm_103a", "1", 1, 1, True), ("sm_90a", "0", 16, 256, False),
 ])
 def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, window, batch, pipelined):
     """GDN ReplaySSM decode defaults to the pipelined kernel on sm_90a (measured on the H200) from
-    batch 8 on the plain fp32 cache and from batch 32 next to a read copy; the conventional step,
+    batch 8, on the plain fp32 cache and next to a read copy; the conventional step,
     smaller batches and sm_100a / sm_103a keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1;
     =0 turns it off."""
     from replayssm_cute.layers.gdn import _decode_default
