@@ -241,6 +241,20 @@ def lane_scan(value: Float32, reverse: cutlass.Constexpr[bool] = False) -> Float
 
 
 @cute.jit
+def record_values(current: Float32, recorded: Float32, h: Int32, ring: cutlass.Constexpr[bool]):
+    """(value, tail) of the records a step weighs, a lane each: lane j < h holds record j's value
+    (``recorded``, read only with a ``ring``), lane h this token's ``current``, the lanes after it
+    zero; tail is the sum over lanes j .. 31 (a reversed inclusive scan), so a record's decay
+    since it was written is the tail past its lane."""
+    lane = cute.arch.lane_idx()
+    value = cutlass.select_(lane == h, current, Float32(0.0))
+    if cutlass.const_expr(ring):
+        if lane < h:
+            value = recorded
+    return value, lane_scan(value, reverse=True)
+
+
+@cute.jit
 def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
     """Sum each of n per-lane values (a power of two up to 32) over the warp in n - 1 + 5 - log2(n)
     shuffles instead of 5 n: every step halves the values a lane carries and trades the other
@@ -345,6 +359,16 @@ def ptx_ops(result_type, count: int, operands, asm: str, constraints: str, loc, 
                              asm, constraints, has_side_effects=False, is_align_stack=False,
                              asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return [result_type(llvm.extractvalue(ty, result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
+@dsl_user_op
+def loop_variant(value: Int32, index: Int32, *, loc=None, ip=None) -> Int32:
+    """``value``, though to the compiler a function of the loop ``index``: what is loaded or
+    computed from it stays in the loop. LLVM's code motion would hoist a loop's invariant shared
+    memory loads out of it and keep them live across iterations, whatever the register pressure
+    (GDN's items of two heads: the stage's k, q and keys, 6 KB of spills)."""
+    return ptx_op(Int32, [Int32(value), Int32(index)], "{ .reg .b32 z; and.b32 z, $2, 0; add.s32 $0, $1, z; }",
+                  "=r,r,r", loc, ip)
 
 
 def f32_asm(result_type, x: Float32, asm: str, constraints: str, loc, ip):

@@ -43,6 +43,7 @@ LAUNCH_FIELDS = ("rows_per_cta", "num_warps", "min_ctas_per_sm")
 PIPELINED_FIELDS = ("stages", "ctas", "prefetch")
 PIPELINED_BOOL_FIELDS = ("mma_fold", "flush_tile", "mma_dots", "mma_flush")
 PIPELINE_STAGE_CHOICES = (2, 3, 4, 5, 6, 8, 10, 12, 16)  # the tuner's stage counts
+HEADS_PER_ITEM_CHOICES = (1, 2, 4)  # the tuner's heads per pipelined item, next to a read copy
 MAX_STAGES = 16
 MAX_CTAS = 4096
 PREFETCH_CHOICES = (1, 2, 4)

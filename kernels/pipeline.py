@@ -26,6 +26,7 @@ PREFETCH_OTHER = 2
 PRODUCER_ARRIVALS = 33  # the producer warp's 32 cp.async arrivals + lane 0's, which carries the TMA bytes
 CONSUMER_BARRIER = 1  # named barrier of a CTA's consumer warps (0 is the CTA's)
 META_SLOT, META_H, META_ORIGIN = 0, 1, 2  # a stage's int32 scalars: the item's slot and plan (h, origin)
+MAX_BOX_ROWS = 256  # a TMA box's rows (an item's heads arrive in one)
 READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 read copy's state scale
 MAX_CONSUMER_GROUPS = 8  # named barriers CONSUMER_BARRIER .. + 7, one per group
 MAX_WARPS = 32  # a CTA's warps: the producer and every group's consumers

@@ -490,7 +490,7 @@ def _tile_vectors(columns: int, vectors: int, tile: int) -> list:
 def mma_dots_error(fmt: CopyFormat, rows: int, lane_vec: int = 0) -> Optional[str]:
     """None if ``mma_row_dots`` takes ``rows`` rows of ``fmt``: whole 16-row MMA tiles, rows of
     whole 16-byte chunks per k-step lane, and each k-step inside one group of 8 scale blocks; with
-    ``lane_vec`` > 0, B fragments from lanes of that many values each (``lane_b_fragments``: whole
+    ``lane_vec`` > 0, B fragments from lanes of that many values each (``share_b_fragments``: whole
     fp16 pairs, a k-step lane's 16-byte chunk of whole lanes' values)."""
     if fmt.name == "fp32":
         return "fp32 rows are read on CUDA cores"
@@ -635,39 +635,80 @@ def _b_source(fmt: CopyFormat, vec: int, step: int, half: int):
 
 
 @cute.jit
-def lane_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.Constexpr):
-    """B fragments (two parts: fp16 hi + lo, 22 bits) for ``mma_row_dots`` of the vectors
-    ``rVectors`` (each lane's vec consecutive fp32 values of each; lanes past the vector hold
-    zeros), each scaled by its power of two ``ups[v]`` (the caller's bound: |value| x up < 2^15),
-    gathered by shuffles from the lanes that hold them: lane 4 g + t's column's vector at its
-    piece of each k-step, where the column's block is the piece's (zero elsewhere). All of them
-    before the first MMA, so that the shuffles' latencies overlap (gathered next to each MMA into
-    one accumulator chain, the MMAs waited on them: Qwen3.5-122B nvfp4 at batch 256, 346 us
-    against 315 this way, with the parts' chains apart)."""
-    t = cute.arch.lane_idx() % 4
+def _lane_pairs(rVectors, ups: cutlass.Constexpr):
+    """Each lane's own values of the vectors ``rVectors`` (vec consecutive fp32 values of each),
+    scaled by ``ups[v]``, as packed fp16 pairs in two parts (hi + lo, 22 bits): (vectors, 2, vec / 2)."""
     vectors = len(rVectors)
     vec = cute.size(rVectors[0])
-    columns = dot_columns(fmt, vectors)
-    fragments = dot_fragments(fmt, vectors)
-    rPairs = cute.make_rmem_tensor((vectors, 2, vec // 2), Int32)  # the lane's own values as packed parts
+    rPairs = cute.make_rmem_tensor((vectors, 2, vec // 2), Int32)
     for v in cutlass.range_constexpr(vectors):
         for i in cutlass.range_constexpr(vec // 2):
             packed, rest = _f16x2_parts(rVectors[v][2 * i] * ups[v], rVectors[v][2 * i + 1] * ups[v], 2)
             rPairs[v, 0, i] = packed
             rPairs[v, 1, i] = rest
-    rB = cute.make_rmem_tensor((2, len(fragments), 2), Int32)
-    for f in cutlass.range_constexpr(len(fragments)):
-        step, tile = fragments[f]
-        vector, same_block = _b_column(fmt, vectors, step, tile)
-        in_tile = _tile_vectors(columns, vectors, tile)
+    return rPairs
+
+
+@cute.jit
+def _gather_fragment(fmt: cutlass.Constexpr[CopyFormat], rPairs: cute.Tensor, f: cutlass.Constexpr[int],
+                     rWords: cute.Tensor):
+    """B fragment ``f`` of ``dot_fragments`` for this lane (lane 4 g + t: its column's vector at its
+    piece of the k-step where the column's scale block is the piece's, zero elsewhere), gathered
+    by shuffles from the lanes whose ``_lane_pairs`` hold it: ``rWords[2 half + p]`` the fp16 pair
+    of half ``half`` (values 2 half, 2 half + 1 of the piece), part ``p``. Every lane of the warp
+    takes part."""
+    t = cute.arch.lane_idx() % 4
+    vectors = cute.size(rPairs, mode=[0])
+    vec = 2 * cute.size(rPairs, mode=[2])
+    columns = dot_columns(fmt, vectors)
+    step, tile = dot_fragments(fmt, vectors)[f]
+    vector, same_block = _b_column(fmt, vectors, step, tile)
+    in_tile = _tile_vectors(columns, vectors, tile)
+    for half in cutlass.range_constexpr(2):
+        lanes_per_t, first_lane, pair = _b_source(fmt, vec, step, half)
+        for p in cutlass.range_constexpr(2):
+            value = Int32(0)
+            for i in cutlass.range_constexpr(len(in_tile)):
+                got = cute.arch.shuffle_sync(rPairs[in_tile[i], p, pair], lanes_per_t * t + first_lane)
+                value = cutlass.select_(same_block & (vector == in_tile[i]), got, value)
+            rWords[2 * half + p] = value
+
+
+@cute.jit
+def share_b_fragments(fmt: cutlass.Constexpr[CopyFormat], rVectors, ups: cutlass.Constexpr, sFragments: cute.Tensor,
+                      worker: Int32, workers: cutlass.Constexpr[int]):
+    """The B fragments (two parts: fp16 hi + lo, 22 bits) for ``mma_row_dots`` of the vectors
+    ``rVectors`` (each lane's vec consecutive fp32 values of each; lanes past the vector hold
+    zeros), each scaled by its power of two ``ups[v]`` (the caller's bound: |value| x up < 2^15),
+    gathered once for every warp that dots rows with them: ``workers`` warps split the fragments
+    (fragment f by warp f mod workers, this one ``worker``) and store each lane's four words of
+    fragment f at ``sFragments[f, lane]`` ((fragments, 32, 4) int32: one 16-byte store and load a
+    lane); every warp loads them (``shared_b_fragments``) after they meet at a barrier. A warp
+    gathering all of them before its MMAs paid about 150 instructions and the shuffles' latency
+    per 16 rows (GDN's fp16 / fp8 row dots were 13-24% slower on tensor cores than on CUDA cores
+    that way)."""
+    lane = cute.arch.lane_idx()
+    rPairs = _lane_pairs(rVectors, ups)
+    for f in cutlass.range_constexpr(len(dot_fragments(fmt, len(rVectors)))):
+        if f % workers == worker:
+            rWords = cute.make_rmem_tensor((4,), Int32)
+            _gather_fragment(fmt, rPairs, f, rWords)
+            cute.autovec_copy(rWords, sFragments[f, lane, None])
+
+
+@cute.jit
+def shared_b_fragments(fmt: cutlass.Constexpr[CopyFormat], sFragments: cute.Tensor, vectors: cutlass.Constexpr[int]):
+    """This lane's B fragments of ``vectors`` vectors as ``share_b_fragments`` stored them, in
+    ``mma_row_dots``' (2 halves, fragments, 2 parts) order."""
+    lane = cute.arch.lane_idx()
+    fragments = len(dot_fragments(fmt, vectors))
+    rB = cute.make_rmem_tensor((2, fragments, 2), Int32)
+    for f in cutlass.range_constexpr(fragments):
+        rWords = cute.make_rmem_tensor((4,), Int32)
+        cute.autovec_copy(sFragments[f, lane, None], rWords)
         for half in cutlass.range_constexpr(2):
-            lanes_per_t, first_lane, pair = _b_source(fmt, vec, step, half)
             for p in cutlass.range_constexpr(2):
-                value = Int32(0)
-                for i in cutlass.range_constexpr(len(in_tile)):
-                    got = cute.arch.shuffle_sync(rPairs[in_tile[i], p, pair], lanes_per_t * t + first_lane)
-                    value = cutlass.select_(same_block & (vector == in_tile[i]), got, value)
-                rB[half, f, p] = value
+                rB[half, f, p] = rWords[2 * half + p]
     return rB
 
 
@@ -677,7 +718,7 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
     """Lane r < rows: per vector, the sum over k of row r of the fp16 / fp8 / nvfp4 copy ``sRows``
     (rows, cols) decoded (block scales ``sScale`` (rows, scales_per_row); nvfp4's ``state_scale``)
     times the vector as its B fragments ``rB`` give it (``vector_b_fragments``,
-    ``lane_b_fragments``: scaled, the caller undoes it), on tensor cores (``mma_dots_error`` says
+    ``shared_b_fragments``: scaled, the caller undoes it), on tensor cores (``mma_dots_error`` says
     which shapes). The codes are exact in fp16 and the products are summed in fp32 (a B fragment's
     parts in accumulators of their own: two chains of dependent MMAs, not one). MMA column
     v x ``dot_columns`` + b holds vector v restricted to scale block b (zero elsewhere), so each

@@ -61,7 +61,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..common import (after_previous_kernel, clear_stale_record, lane_scan, launch_tiles, planned_positions,
-                      pow2_at_least, slot_is_live, warp_reduce_many)
+                      pow2_at_least, record_values, slot_is_live, warp_reduce_many)
 from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
                         store_copies, write_state_scales)
@@ -407,12 +407,10 @@ class GDNDecode:
             # Lane j: g_j of record j < h, this token's g at lane h. The weight of record j in
             # alpha S_h (and in the folded state) is exp(sum of the g after it, this token's
             # included): a reversed inclusive scan across lanes.
-            g_j = cutlass.select_(lane == h, g, Float32(0.0))
+            g_rec = Float32(0.0)
             if cutlass.const_expr(L > 1):
                 g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
-                if lane < h:
-                    g_j = g_rec
-            tail = lane_scan(g_j, reverse=True)
+            g_j, tail = record_values(g, g_rec, h, L > 1)
             w_j = cute.math.exp(tail - g_j, fastmath=False)
             gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -3,31 +3,36 @@ or without a read copy).
 
 Same step as ``kernels/gdn/decode.py`` (ReplaySSM standard decoding, Algorithm 4; window 1 is
 the conventional fused step), with the residency of ``kernels/mamba2/pipelined.py``: a fixed grid
-of CTAs loops over work items, one per (batch row, value head, half of the head's V rows), items
+of CTAs loops over work items, one per (batch row, value head, half of the head's V rows), or with
+``heads_per_item`` H > 1 per (batch row, H consecutive value heads of one key head), items
 ``bid, bid + grid, ...``. Warp 0 produces, the other warps consume:
 
 - the producer fills ``stages`` shared-memory stages (protocol: kernels/pipeline.py), each with
-  everything one item needs: its (rows_per_item, K) checkpoint rows (one TMA box), the live ring
-  records (u of those rows, the key head's keys, the value head's g; stale positions stored as
-  zeros) by cp.async, and, loaded a chunk of items ahead, this token's q, k, v (plain loads: q, k
-  and v may be views with any batch stride) and the item's scalars (slot, h, origin, the raw
-  gates, A_log, dt_bias), which it turns into what every consumer warp of the item would
-  otherwise repeat before its first dot: k and q L2-normalised (q scaled) and their dot, the gates
-  g and beta, stored into the stage;
+  everything one item needs: its heads' (rows_per_item, K) checkpoint rows one after the other
+  (one TMA box), the live ring records (u of those rows, the key head's keys once, each value
+  head's g; stale positions stored as zeros) by cp.async, and, loaded a chunk of items ahead,
+  this token's q, k, v (plain loads: q, k and v may be views with any batch stride) and the
+  item's scalars (slot, h, origin, each head's raw gates, A_log, dt_bias), which it turns into
+  what every consumer warp of the item would otherwise repeat before its first dot: k and q
+  L2-normalised (q scaled) and their dot (once per item), each head's gates g and beta, stored
+  into the stage;
 - the consumers compute the item from shared memory only and release the stage (one arrival
   per consumer warp). With ``consumer_groups`` G > 1 the consumer warps form G groups, group g
   taking the CTA's items g, g + G, ... (its own stages, named barrier and scratch), so G items are
   computed at once and one item's chain of latencies hides behind another's. Consumer warp c (of
-  a group) owns ``rows_per_warp`` of the item's rows (a lane per row
-  for the row terms, ``k_vec`` consecutive elements of K per lane). The key head's ring dots
-  (k_p . k, k_p . q) are the same for every row: the consumer warps split the positions between
-  them, store the weighted dots in the stage and meet at their group's named barrier before reading them all.
+  a group) owns ``rows_per_warp`` of each head's rows (a lane per row
+  for the row terms, ``k_vec`` consecutive elements of K per lane) and takes the item's heads in
+  turn. The key head's ring dots (k_p . k, k_p . q) are the same for every row of every head: the
+  consumer warps split the positions between them, store the dots in the stage and meet at their
+  group's named barrier before reading them all; each warp weights them with its head's record
+  weights into its own scratch.
 
 Read copies (fp16, fp8, nvfp4 next to the fp32 checkpoint): a non-flushing item's box is its rows
 of the read copy (block scales and nvfp4's state scale by cp.async); a 16-row warp's rows meet the
 normalised k and q on tensor cores (``state_io.mma_row_dots``: the codes exact in fp16, k and q as
-fp16 hi + lo parts gathered from the lanes that hold them, k in MMA column 0 and q in column 1, or
-in an n-tile each for nvfp4's 8 blocks a row), where ``mma_dots``, else they are decoded row by
+fp16 hi + lo parts, k in MMA column 0 and q in column 1, or in an n-tile each for nvfp4's 8 blocks
+a row; their B fragments gathered once per item, split over the consumer warps next to the ring
+dots, and staged for every warp: ``state_io.share_b_fragments``), where ``mma_dots``, else they are decoded row by
 row on CUDA cores; a flushing item's stage holds no box: the producer prefetches its checkpoint rows into
 L2, and each consumer warp loads its rows into registers, dots them, folds them and stores both
 copies (RTN; nvfp4's state scale reduced over the consumer warps, whole heads per item). Where the
@@ -76,27 +81,32 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, load_past_l1, mma_tf32, pow2_at_least,
-                      prefetch_l2, slot_is_live, smem_fit, warp_reduce_many)
-from ..config_space import PIPELINE_STAGE_CHOICES
+from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, load_past_l1, loop_variant, mma_tf32,
+                      pow2_at_least, prefetch_l2, record_values, slot_is_live, smem_fit, warp_reduce_many)
+from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES, PREFETCH_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy, acquire_stage, as_column, box_partition,
-                        copy_read_scales_async, copy_records_async, pipeline_check, producer_prefetch, publish_stage,
-                        release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes,
-                        wait_stage)
-from ..state_io import (decode_slice, entry_tma, lane_amax, lane_b_fragments, max_nan, mma_row_dots,
-                        ring_coefficients, smem_scale, store_copies, store_copies_at, warps_state_scale)
+from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
+                        ReadCopy, acquire_stage, as_column, box_partition, copy_read_scales_async,
+                        copy_records_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
+                        residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots, ring_coefficients,
+                        share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
+                        warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
 from .decode import rederived_by_position
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
-META = 8  # scalars of an item staged by the producer
-META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates and k . q (READ_STATE_SCALE: nvfp4's state scale)
+META = 8  # scalars of an item staged by the producer (the fp32 ones per value head)
+META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates, k . q (head 0's) and READ_STATE_SCALE (nvfp4's)
 # The default's stage count where fewer stages than fit were measured faster: an fp8 read copy
 # takes 2 (H200, both registry GDN shapes, batches 32-1024: 4-9% faster than 6, the tuner's
 # winner at every bucket; sweeps/results/README.md, "GDN read copies on the pipeline by default").
 MAX_DEFAULT_STAGES = {"fp8": 2}
+# Items of two value heads next to a read copy, in two stages (H200, Qwen3.5-122B, batch 64 / 256:
+# window mean 1.13-1.17x one-head items for fp8 and nvfp4, 0.99-1.03x for fp16; more stages of them
+# were slower; sweeps/results/README.md, "GDN items of two value heads by default").
+READ_COPY_HEADS_PER_ITEM = 2
 MMA_FLUSH_ROWS = 16  # a tensor-core flush's warp rows: one m16 tile, lane 4 g + t holding rows g and g + 8
 RING_KEY_PAD = 8  # elements after each staged ring key: the tensor-core flush's column reads of the keys spread over the banks
 MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave ptxas 168 registers a thread
@@ -104,8 +114,64 @@ MAX_GROUPED_WARPS = 9  # tuner: consumer groups only where an SM's warps leave p
 
 def kq_fragment_scales(q_scale: float):
     """Powers of two that take the normalised k (|k_i| <= 1) and q (|q_i| <= q_scale) to at most
-    2^14 for their fp16 B fragments (state_io.lane_b_fragments)."""
+    2^14 for their fp16 B fragments (state_io.share_b_fragments)."""
     return 2.0 ** 14, 2.0 ** (14 - math.ceil(math.log2(q_scale)))
+
+
+def item_rows(gHead: cute.Tensor, rows: int, part) -> cute.Tensor:
+    """An item's (positions, rows) ring records from those of its first value head ``gHead``
+    (positions, head_v_dim; the ring's tensors are compact, so the next heads' rows follow at
+    each position): part ``part`` of one head, or whole consecutive heads."""
+    positions, V = cute.size(gHead, mode=[0]), cute.size(gHead, mode=[1])
+    if rows <= V:
+        return cute.local_tile(gHead, (positions, rows), (0, part))
+    return cute.make_tensor(gHead.iterator, cute.make_layout((positions, rows), stride=(gHead.stride[0], 1)))
+
+
+@cute.jit
+def lane_vectors(sK: cute.Tensor, sQ: cute.Tensor, vec: cutlass.Constexpr[int]):
+    """(rK, rQ): this lane's ``vec`` consecutive elements of the staged fp32 k and q (zeros past K)."""
+    lane = cute.arch.lane_idx()
+    rK = cute.make_rmem_tensor((vec,), Float32)
+    rQ = cute.make_rmem_tensor((vec,), Float32)
+    rK.fill(0.0)
+    rQ.fill(0.0)
+    if lane < cute.size(sK) // vec:
+        for e in cutlass.range_constexpr(vec):
+            rK[e] = sK[lane * vec + e]
+            rQ[e] = sQ[lane * vec + e]
+    return rK, rQ
+
+
+@cute.jit
+def key_head_ring_dots(sRingK: cute.Tensor, rK: cute.Tensor, rQ: cute.Tensor, sRingDot: cute.Tensor, worker: Int32,
+                       workers: cutlass.Constexpr[int], cap: cutlass.Constexpr[int], vec: cutlass.Constexpr[int]):
+    """``sRingDot[0, p]`` = k_p . k and ``sRingDot[1, p]`` = k_p . q for the staged ring keys
+    ``sRingK`` (cap, K; stale ones zero) and this token's fp32 k and q (``rK``, ``rQ``: the lane's
+    ``vec`` consecutive elements, ``lane_vectors``): the same for every value head of the key head,
+    split over ``workers`` warps (this one is ``worker``: positions worker, worker + workers, ...;
+    a lane's value 2 i / 2 i + 1 are those of its i-th)."""
+    lane = cute.arch.lane_idx()
+    K = cute.size(sRingK, mode=[1])
+    pos_per_warp = (cap + workers - 1) // workers
+    n_dots = pow2_at_least(2 * pos_per_warp)
+    dot_shift = 5 - (n_dots.bit_length() - 1)
+    rDots = cute.make_rmem_tensor((n_dots,), Float32)
+    rDots.fill(0.0)
+    if lane < K // vec:
+        for i in cutlass.range_constexpr(pos_per_warp):
+            p = worker + workers * i
+            if p < cap:
+                rKey = cute.make_rmem_tensor((vec,), sRingK.element_type)
+                cute.autovec_copy(cute.local_tile(sRingK[p, None], (vec,), (lane,)), rKey)
+                for e in cutlass.range_constexpr(vec):
+                    rDots[2 * i] = rDots[2 * i] + rKey[e].to(Float32) * rK[e]
+                    rDots[2 * i + 1] = rDots[2 * i + 1] + rKey[e].to(Float32) * rQ[e]
+    dot = warp_reduce_many(rDots, n_dots)  # lane l: value l >> dot_shift
+    value = lane >> dot_shift
+    p_l = worker + workers * (value // 2)
+    if lane % (1 << dot_shift) == 0 and value < 2 * pos_per_warp and p_l < cap:
+        sRingDot[value % 2, p_l] = dot
 
 
 @cute.jit
@@ -415,7 +481,11 @@ class GDNPipeConfig:
     items are computed at once; ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
     ``mma_dots``: a read copy's rows meet k and q on tensor cores where ``rows_fit_tensor_cores``
     takes them, else on CUDA cores; ``mma_flush``: a flush next to a read copy re-derives (S_ckpt
-    k_p) and folds on tensor cores where ``flush_fits_tensor_cores`` takes it, else on CUDA cores."""
+    k_p) and folds on tensor cores where ``flush_fits_tensor_cores`` takes it, else on CUDA cores;
+    ``heads_per_item`` consecutive value heads of one key head per item (whole heads): the key
+    head's work (k and q normalised, the ring keys staged, their dots with k and q) is done once
+    for them, and a stage holds their rows (one TMA box), so that a read copy's small rows keep
+    more bytes in flight."""
 
     stages: int = 4
     ctas: int = 132
@@ -426,9 +496,13 @@ class GDNPipeConfig:
     min_ctas_per_sm: int = 0
     mma_dots: bool = True
     mma_flush: bool = True
+    heads_per_item: int = 1
 
     def tensor_core_flush(self, shape: GDNShape) -> bool:
         return self.mma_flush and flush_fits_tensor_cores(shape, self.rows_per_warp)
+
+    def tensor_core_reads(self, shape: GDNShape) -> bool:
+        return self.mma_dots and rows_fit_tensor_cores(shape.copies.read, self.rows_per_warp, shape.k_vec)
 
     def ring_key_pad(self, shape: GDNShape) -> int:
         """Elements after each staged ring key: only the tensor-core flush's operand loads gain
@@ -444,25 +518,32 @@ class GDNPipeConfig:
         return 1 + self.consumer_groups * self.consumer_warps()
 
     def stage_bytes(self, shape: GDNShape) -> int:
-        R, K, cap = self.rows_per_item, shape.head_k_dim, shape.capacity
+        HI, K, cap = self.heads_per_item, shape.head_k_dim, shape.capacity
+        R = HI * self.rows_per_item  # the item's rows, its heads' one after the other
         act = shape.act_dtype.width // 8
         entry = shape.copies.entry
         box = R * entry.row_bytes + entry.scale_smem_bytes(R)  # the checkpoint's rows or the read copy's
         ring = (cap * R * 2 + cap * (K + self.ring_key_pad(shape)) * act + 2 * cap * 4) if shape.window > 1 else 0
-        rederive = (cap * R * act + 32 * 4 + cap * cap * 4) if shape.rederive else 0  # v, beta, the records' coupling
-        amax = 4 * self.consumer_warps() if shape.copies.whole_state else 0
-        return box + ring + rederive + amax + (2 * K + R) * 4 + 32 * 4 + 2 * META * 4 + 128
+        rederive = (cap * R * act + HI * 32 * 4) if shape.rederive else 0  # the records' v, each head's beta
+        amax = 4 * self.consumer_warps() * HI if shape.copies.whole_state else 0
+        return box + ring + rederive + amax + (2 * K + R) * 4 + HI * 32 * 4 + (1 + HI) * META * 4 + 128
 
     def smem_bytes(self, shape: GDNShape) -> int:
-        # per consumer warp, by position and row (not staged): a re-deriving flush's S_ckpt k_p and
-        # re-derived u, the latter also the tensor-core flush's fold coefficients
-        per_scratch = self.rows_per_item * self.consumer_groups * shape.capacity * 4 + 16
+        # not staged: per consumer warp, by position and row, a re-deriving flush's S_ckpt k_p and
+        # re-derived u, the latter also the tensor-core flush's fold coefficients, and the weighted
+        # ring dots of the head it computes; per consumer group each head's coupling of the records
+        # and two buffers of B fragments
+        cap, G, warps = shape.capacity, self.consumer_groups, self.consumer_groups * self.consumer_warps()
+        per_scratch = self.rows_per_item * G * cap * 4 + 16
         scratch = per_scratch * (2 if shape.rederive else 1 if self.tensor_core_flush(shape) else 0)
-        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch
+        weighted_dots = 2 * cap * 4 * warps + 16 if shape.window > 1 else 0
+        coupling = G * self.heads_per_item * cap * cap * 4 + 16 if shape.rederive else 0
+        fragments = 2 * G * len(dot_fragments(shape.copies.read, 2)) * 32 * 16 + 16 if self.tensor_core_reads(shape) else 0
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + scratch + weighted_dots + coupling + fragments
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
-                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots, self.mma_flush)
+                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots, self.mma_flush, self.heads_per_item)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -477,6 +558,17 @@ class GDNPipeConfig:
                     f"{self.rows_per_warp} up to 256 dividing head_v_dim {V}")
         if self.consumer_warps() > 16:
             return f"{self.consumer_warps()} consumer warps (rows_per_item / rows_per_warp): at most 16"
+        HI, rep = self.heads_per_item, shape.num_v_heads // shape.num_k_heads
+        if HI < 1 or rep % HI:
+            return f"heads_per_item {HI}: expected a divisor of the value heads per key head ({rep})"
+        if HI > 1 and self.rows_per_item != V:
+            return f"heads_per_item {HI}: items of several heads take whole heads (rows_per_item {V}, not {self.rows_per_item})"
+        if HI * self.rows_per_item > MAX_BOX_ROWS:
+            return f"heads_per_item {HI}: {HI} heads of {V} rows are more than one TMA box holds ({MAX_BOX_ROWS} rows)"
+        if self.prefetch * HI > max(PREFETCH_CHOICES):
+            # the producer holds a chunk's v of every head twice (this chunk's and the next's)
+            return (f"prefetch {self.prefetch} x heads_per_item {HI}: the producer holds at most "
+                    f"{max(PREFETCH_CHOICES)} heads' inputs a chunk")
         reason = residency_check(self.stages, self.consumer_groups, self.warps(), self.min_ctas_per_sm)
         if reason is not None:
             return reason
@@ -501,42 +593,54 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
     one or two consumer groups (where an SM keeps at most 9 warps: more leave a consumer fewer
     than 168 registers, and the flush spills), the stage counts of PIPELINE_STAGE_CHOICES that fit
     (multiples of the groups), the target's producer chunk, a read copy's row dots on tensor or
-    CUDA cores; [] where it serves nothing."""
+    CUDA cores, and next to a read copy items of several value heads (``HEADS_PER_ITEM_CHOICES``:
+    the copy's small rows, the key head's work shared); [] where it serves nothing."""
     default = pipelined_config(shape, sm_count, arch)
     if default is None:
         return []
     V = shape.head_v_dim
     configs = []
-    for per_sm in (1, 2):
-        for rows in sorted({V, V // 2}, reverse=True):
-            for rows_per_warp in ROWS_PER_WARP:
-                for groups in (1, 2):
-                    for stages in PIPELINE_STAGE_CHOICES:
-                        config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp, default.prefetch, groups)
-                        if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
-                            continue
-                        if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
-                            configs.append(config)
-                            if rows_fit_tensor_cores(shape.copies.read, rows_per_warp, shape.k_vec):
-                                configs.append(dataclasses.replace(config, mma_dots=False))
+    for heads in HEADS_PER_ITEM_CHOICES if shape.read_copy is not None else (1,):
+        for per_sm in (1, 2):
+            for rows in sorted({V, V // 2}, reverse=True):
+                for rows_per_warp in ROWS_PER_WARP:
+                    for groups in (1, 2):
+                        for stages in PIPELINE_STAGE_CHOICES:
+                            config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp,
+                                                   max(1, producer_prefetch(arch) // heads), groups, heads_per_item=heads)
+                            if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
+                                continue
+                            if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
+                                configs.append(config)
+                                if rows_fit_tensor_cores(shape.copies.read, rows_per_warp, shape.k_vec):
+                                    configs.append(dataclasses.replace(config, mma_dots=False))
     return configs
 
 
 def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNPipeConfig]:
-    """Whole heads per item where they take at most 8 consumer warps of 16 rows (the ring dots
-    split over more warps, and more warps per SM to hide the per-item latency: on the H200,
-    Qwen3.5-122B at batch 256, 303 us a layer against 353 for half heads), else half heads; as many
-    stages as fit up to ``MAX_DEFAULT_STAGES`` of the read copy, one CTA per SM, the target's
-    producer chunk, a read copy's row dots on the unit measured faster for it
-    (``CUDA_CORE_DOT_READS``); None if the kernel cannot take `shape`."""
+    """Next to a read copy, items of ``READ_COPY_HEADS_PER_ITEM`` whole value heads of a key head
+    in two stages where the shape takes them; else whole heads per item where they take at most 8
+    consumer warps of 16 rows (the ring dots split over more warps, and more warps per SM to hide
+    the per-item latency: on the H200, Qwen3.5-122B at batch 256, 303 us a layer against 353 for
+    half heads), else half heads, as many stages as fit up to ``MAX_DEFAULT_STAGES`` of the read
+    copy. One CTA per SM, the target's producer chunk (cut to the heads an item holds), a read
+    copy's row dots on the unit measured faster for it (``CUDA_CORE_DOT_READS``); None if the
+    kernel cannot take `shape`."""
     V = shape.head_v_dim
+    mma_dots = shape.read_copy not in CUDA_CORE_DOT_READS
+    if shape.read_copy is not None:
+        heads = READ_COPY_HEADS_PER_ITEM
+        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=max(1, producer_prefetch(arch) // heads),
+                               mma_dots=mma_dots, heads_per_item=heads)
+        if config.check(shape) is None:
+            return config
     most = MAX_DEFAULT_STAGES.get(shape.read_copy, 6)
     for rows in (V, V // 2):
         if rows % 16 or rows > 128:
             continue
         for stages in range(most, 1, -1):
             config = GDNPipeConfig(stages=stages, ctas=sm_count, rows_per_item=rows,
-                                   prefetch=producer_prefetch(arch), mma_dots=shape.read_copy not in CUDA_CORE_DOT_READS)
+                                   prefetch=producer_prefetch(arch), mma_dots=mma_dots)
             if config.check(shape) is None:
                 return config
     return None
@@ -581,7 +685,7 @@ class GDNPipelinedDecode:
     ):
         s, c = self.shape, self.config
         HV, V = s.num_v_heads, s.head_v_dim
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.rows_per_item)
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.heads_per_item * c.rows_per_item)
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
@@ -608,7 +712,10 @@ class GDNPipelinedDecode:
         CW = c.consumer_warps()
         G = c.consumer_groups
         RW = c.rows_per_warp
-        parts = V // R  # items per value head
+        HI = c.heads_per_item
+        RI = HI * R  # an item's rows: its heads' one after the other
+        parts = V // R  # items per value head (1 where an item has several heads)
+        HVI = HV // HI  # a row's items per part: its groups of HI value heads
         vec = s.k_vec
         KL = K // vec  # lanes that hold part of a K row
         rep = HV // H
@@ -618,12 +725,12 @@ class GDNPipelinedDecode:
         read = copies.read
         entry = copies.entry
         rederive = s.rederive
-        mma_reads = c.mma_dots and rows_fit_tensor_cores(read, RW, vec)
+        mma_reads = c.tensor_core_reads(s)
         mma_flush = c.tensor_core_flush(s)
         flush_rows = (2, K // 4) if mma_flush else (RW, vec)  # a flush's rAcc
         piece = fragment_piece(s)
         kq_ups = kq_fragment_scales(s.q_scale)
-        box_bytes = R * entry.row_bytes
+        box_bytes = RI * entry.row_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async
         k_per16 = 128 // act.width
 
@@ -633,42 +740,57 @@ class GDNPipelinedDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         num_slots = mCheckpoint.shape[0]
-        total = token.mV.shape[0] * HV * parts
+        total = token.mV.shape[0] * HVI * parts
 
         # Shared memory, declared once: per stage the item's state rows (the fp32 checkpoint's, or
-        # the read copy's with their scales), the ring records it reads, this token's q, k, v
-        # (fp32) and the item's scalars; a full and an empty mbarrier per stage; with re-derived
-        # corrections the records' v and beta and their coupling per stage, and each consumer
-        # warp's (of every group) S_ckpt k_p and re-derived u (with a tensor-core flush, the u scratch
+        # the read copy's with their scales; head i's from i R), the ring records it reads, this
+        # token's q, k, v (fp32) and the item's scalars (per head where they are a value head's);
+        # a full and an empty mbarrier per stage; with re-derived corrections the records' v and
+        # beta per stage; per consumer group each head's coupling (written after the item's first
+        # barrier, which every warp reaches only once done with the previous item) and, for a read
+        # copy's rows on tensor cores, k and q as every lane's B fragments (written before it: two
+        # buffers, live items taking turns); each consumer warp's (of every group) weighted ring
+        # dots of its head, S_ckpt k_p and re-derived u (with a tensor-core flush, the u scratch
         # also without re-derivation: it hands the fold's coefficients to the A fragments).
         smem = SmemAllocator()
-        sState = staged(smem, entry.storage, (R, entry.cols), ST, byte_alignment=128)
+        sState = staged(smem, entry.storage, (RI, entry.cols), ST, byte_alignment=128)
         sReadScale, sAmax = None, None
         if cutlass.const_expr(read is not None and read.scale_dtype is not None):
-            sReadScale = staged(smem, read.scale_dtype, (R, read.scales_per_row), ST)
+            sReadScale = staged(smem, read.scale_dtype, (RI, read.scales_per_row), ST)
         if cutlass.const_expr(copies.whole_state):
-            sAmax = staged(smem, Float32, (CW,), ST)
-        sRingU, sRingK, sRingDot = None, None, None
+            sAmax = staged(smem, Float32, (CW, HI), ST)
+        sRingU, sRingK, sRingDot, sWeightedDots = None, None, None, None
         if cutlass.const_expr(ring):
-            sRingU = staged(smem, cutlass.Float16, (cap, R), ST)
+            sRingU = staged(smem, cutlass.Float16, (cap, RI), ST)
             sRingK = staged(smem, act, (cap, K), ST, row_pad=c.ring_key_pad(s))
-            sRingDot = staged(smem, Float32, (2, cap), ST)  # weighted k_p . k, k_p . q of live positions
+            sRingDot = staged(smem, Float32, (2, cap), ST)  # k_p . k, k_p . q of live positions (key head's)
+            # a warp's w_j k_p . k, w_j k_p . q of its head (the weights are the value head's)
+            sWeightedDots = smem.allocate_tensor(Float32, cute.make_layout((2, cap, G * CW), stride=(cap, 1, 2 * cap)),
+                                                 byte_alignment=16)
         sRingV, sRingBeta, sSolve, sSk, sUre = None, None, None, None, None
         if cutlass.const_expr(rederive):
-            sRingV = staged(smem, act, (cap, R), ST)
-            sRingBeta = staged(smem, Float32, (32,), ST)
-            sSolve = staged(smem, Float32, (cap, cap), ST)
+            sRingV = staged(smem, act, (cap, RI), ST)
+            sRingBeta = staged(smem, Float32, (32, HI), ST)
+            sSolve = smem.allocate_tensor(Float32, cute.make_layout((cap, cap, HI, G), stride=(cap, 1, cap * cap,
+                                                                                            cap * cap * HI)),
+                                          byte_alignment=16)
             sSk = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                        byte_alignment=16)
         if cutlass.const_expr(rederive or mma_flush):  # the re-derived u, then the tensor-core fold's coefficients
             sUre = smem.allocate_tensor(Float32, cute.make_layout((cap, RW, G * CW), stride=(RW, 1, cap * RW)),
                                         byte_alignment=16)
+        sKQFragments = None
+        if cutlass.const_expr(mma_reads):  # (fragments, lane, words, buffer 2 g + parity): share_b_fragments
+            fragments = len(dot_fragments(read, 2))
+            sKQFragments = smem.allocate_tensor(Int32, cute.make_layout((fragments, 32, 4, 2 * G),
+                                                                        stride=(128, 4, 1, 128 * fragments)),
+                                                byte_alignment=16)
         sQ = staged(smem, Float32, (K,), ST)
         sK = staged(smem, Float32, (K,), ST)
-        sV = staged(smem, Float32, (R,), ST)
-        sRingG = staged(smem, Float32, (32,), ST)
+        sV = staged(smem, Float32, (RI,), ST)
+        sRingG = staged(smem, Float32, (32, HI), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
-        sMetaF = staged(smem, Float32, (META,), ST)
+        sMetaF = staged(smem, Float32, (META, HI), ST)
         full, empty = stage_barriers(smem, ST, CW)
 
         # While the previous kernel finishes: lane u of the producer asks L2 for the entry rows (the
@@ -678,15 +800,15 @@ class GDNPipelinedDecode:
             if (warp == 0) & (lane < PF):
                 item = bid + lane * grid
                 if item < total:
-                    slot = load_past_l1(mSlot, item // (HV * parts))
+                    slot = load_past_l1(mSlot, item // (HVI * parts))
                     if slot_is_live(slot, num_slots, s.pad_slot_id):
                         mEntry = copy.mData if copies.separate else mCheckpoint
-                        prefetch_l2(mEntry[Int64(slot), (item // parts) % HV, (item % parts) * R, None], box_bytes)
+                        prefetch_l2(mEntry[Int64(slot), (item // parts) % HVI * HI, (item % parts) * R, None], box_bytes)
         after_previous_kernel()
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState, (R, entry.cols))
+            t_s, t_g = box_partition(tma_state, mStateTma, sState, (RI, entry.cols))
             copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
             copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
             copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
@@ -694,17 +816,17 @@ class GDNPipelinedDecode:
             # lane u the scalars of item u) and loads the next chunk's while this one is issued,
             # so a load's latency is paid once per chunk behind PF stage waits.
             kq_per_lane = (K + 31) // 32  # lane: q and k elements lane, lane + 32, ...
-            v_per_lane = (R + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
+            v_per_lane = (RI + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
             rQ = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
             rK = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
             rV = cute.make_rmem_tensor((PF, v_per_lane), Float32)
             rInt = cute.make_rmem_tensor((3,), Int32)
-            rFloat = cute.make_rmem_tensor((4,), Float32)
+            rFloat = cute.make_rmem_tensor((4, HI), Float32)
             rQn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
             rKn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
             rVn = cute.make_rmem_tensor((PF, v_per_lane), Float32)
             rIntNext = cute.make_rmem_tensor((3,), Int32)
-            rFloatNext = cute.make_rmem_tensor((4,), Float32)
+            rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
             self.chunk_inputs(bid, grid, total, mSlot, mPlan, token, rQ, rK, rV, rInt, rFloat)
             chunk = Int32(0)
             for first in cutlass.range(bid, total, grid * PF, unroll=1):
@@ -713,9 +835,9 @@ class GDNPipelinedDecode:
                 for u in cutlass.range_constexpr(PF):
                     item = first + u * grid
                     if item < total:
-                        vhead = (item // parts) % HV
+                        vhead0 = (item // parts) % HVI * HI  # the item's first value head
                         part = item % parts
-                        khead = vhead // rep
+                        khead = vhead0 // rep
                         stage, phase = stage_of(chunk * PF + u, ST)
                         slot = cute.arch.shuffle_sync(rInt[0], u)
                         h = cute.arch.shuffle_sync(rInt[1], u)
@@ -726,9 +848,10 @@ class GDNPipelinedDecode:
                         if cutlass.const_expr(read is not None):
                             with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
                         # The item's scalars, once here for all its consumer warps: the key head's k
-                        # and q L2-normalised (q scaled) with their dot, and the value head's gates.
+                        # and q L2-normalised (q scaled) with their dot, and each value head's gates.
                         kq = normalize_qk(rK[u, None], rQ[u, None], kq_per_lane, s.q_scale)
-                        g, beta = gdn_gates(*[cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)])
+                        gates = [gdn_gates(*[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)])
+                                 for i in range(HI)]
                         acquire_stage(empty, stage, phase)
                         for e in cutlass.range_constexpr(kq_per_lane):
                             col = e * 32 + lane
@@ -737,42 +860,51 @@ class GDNPipelinedDecode:
                                 sK[col, stage] = rK[u, e]
                         for e in cutlass.range_constexpr(v_per_lane):
                             vr = e * 32 + lane
-                            if vr < R:
+                            if vr < RI:
                                 sV[vr, stage] = rV[u, e]
                         if live:
                             slot64 = Int64(slot)
                             if cutlass.const_expr(ring):
-                                # the live records only; stale positions as zeros
-                                copy_records_async(copy_u, cute.local_tile(mRingU[slot64, None, vhead, None], (cap, R),
-                                                                           (0, part)),
+                                # the live records only; stale positions as zeros. The item's heads'
+                                # rows are consecutive at each position.
+                                copy_records_async(copy_u, item_rows(mRingU[slot64, None, vhead0, None], RI, part),
                                                    sRingU[None, None, stage], u_per16, origin, h)
                                 copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage],
                                                    k_per16, origin, h)
-                                copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]),
-                                                   as_column(cute.local_tile(sRingG[None, stage], (cap,), (0,))), 1,
-                                                   origin, h)
+                                for i in cutlass.range_constexpr(HI):
+                                    copy_records_async(copy4, as_column(mRingG[slot64, None, vhead0 + i]),
+                                                       as_column(cute.local_tile(sRingG[None, i, stage], (cap,), (0,))),
+                                                       1, origin, h)
                             if cutlass.const_expr(read is not None):
                                 if with_box:
-                                    copy_read_scales_async(read, copy, slot64, vhead, part, R, sReadScale, sMetaF, stage)
+                                    for i in cutlass.range_constexpr(HI):
+                                        sHeadScale = None
+                                        if cutlass.const_expr(read.scale_dtype is not None):
+                                            sHeadScale = cute.local_tile(sReadScale, (R, read.scales_per_row, ST),
+                                                                         (i, 0, 0))
+                                        copy_read_scales_async(read, copy, slot64, vhead0 + i, part, R, sHeadScale,
+                                                               sMetaF[None, i, None], stage)
                                 elif lane == 0:  # a flush: its checkpoint rows into L2 for the consumers' loads
-                                    prefetch_l2(mCheckpoint[slot64, vhead, part * R, None], R * K * 4)
+                                    prefetch_l2(mCheckpoint[slot64, vhead0, part * R, None], RI * K * 4)
                             if cutlass.const_expr(rederive):
                                 if flush_item:  # the records' v and beta
-                                    copy_records_async(copy_k, cute.local_tile(mRingV[slot64, None, vhead, None],
-                                                                               (cap, R), (0, part)),
+                                    copy_records_async(copy_k, item_rows(mRingV[slot64, None, vhead0, None], RI, part),
                                                        sRingV[None, None, stage], k_per16, origin, h)
-                                    copy_records_async(copy4, as_column(mRingBeta[slot64, None, vhead]),
-                                                       as_column(cute.local_tile(sRingBeta[None, stage], (cap,), (0,))),
-                                                       1, origin, h)
+                                    for i in cutlass.range_constexpr(HI):
+                                        copy_records_async(copy4, as_column(mRingBeta[slot64, None, vhead0 + i]),
+                                                           as_column(cute.local_tile(sRingBeta[None, i, stage], (cap,),
+                                                                                     (0,))),
+                                                           1, origin, h)
                         if lane == 0:
                             sMetaI[META_SLOT, stage] = slot
                             sMetaI[META_H, stage] = h
                             sMetaI[META_ORIGIN, stage] = origin
-                            sMetaF[META_G, stage] = g
-                            sMetaF[META_BETA, stage] = beta
-                            sMetaF[META_KQ, stage] = kq
+                            sMetaF[META_KQ, 0, stage] = kq
+                            for i in cutlass.range_constexpr(HI):
+                                sMetaF[META_G, i, stage] = gates[i][0]
+                                sMetaF[META_BETA, i, stage] = gates[i][1]
                         publish_stage(full, stage, with_box, box_bytes, tma_state,
-                                      t_g[None, (slot * HV + vhead) * parts + part], t_s[None, stage])
+                                      t_g[None, (slot * HVI + vhead0 // HI) * parts + part], t_s[None, stage])
                 rQ.store(rQn.load())
                 rK.store(rKn.load())
                 rV.store(rVn.load())
@@ -784,17 +916,17 @@ class GDNPipelinedDecode:
             # consumer group cg computes the CTA's items cg, cg + G, ...; cw is the warp's place in it
             cg = (warp - 1) // CW
             cw = (warp - 1) % CW
+            scratch = warp - 1  # the warp's slot of the per-warp scratch
             group_barrier = CONSUMER_BARRIER + cg
             lr = lane % RW
-            pos_per_warp = (cap + CW - 1) // CW
-            n_dots = pow2_at_least(2 * pos_per_warp)
-            dot_shift = 5 - (n_dots.bit_length() - 1)
+            r0 = cw * RW  # the warp's first row of a head's part
+            i_row = r0 + lr  # this lane's state row within the part
             it = Int32(0)
+            live_items = Int32(0)  # the group's live items so far: their B fragments' buffers alternate
             for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
-                row = item // (HV * parts)
-                vhead = (item // parts) % HV
+                row = item // (HVI * parts)
+                vhead0 = (item // parts) % HVI * HI
                 part = item % parts
-                khead = vhead // rep
                 stage, phase = stage_of(it * G + cg, ST)
                 wait_stage(full, stage, phase)
                 slot = sMetaI[META_SLOT, stage]
@@ -802,179 +934,187 @@ class GDNPipelinedDecode:
                     slot64 = Int64(slot)
                     h = sMetaI[META_H, stage]
                     origin = sMetaI[META_ORIGIN, stage]
-                    g = sMetaF[META_G, stage]
-                    beta = sMetaF[META_BETA, stage]
-                    kq = sMetaF[META_KQ, stage]
+                    kq = sMetaF[META_KQ, 0, stage]
                     flush = h + 1 >= L  # h == L only after a speculative commit
                     pos_h = (origin + h) % cap
-                    r0 = cw * RW  # the warp's first row within the item
-                    i_row = part * R + r0 + lr  # this lane's state row within the head
-                    # a flush's fp32 rows: the lane's slice of each of the warp's rows, or on tensor cores
-                    # its quarter of two of them (fragment_rows), loaded first so that their latency
-                    # overlaps the ring's work below
-                    rAcc = cute.make_rmem_tensor(cute.make_layout(flush_rows, stride=(flush_rows[1], 1)), Float32)
-                    if cutlass.const_expr(mma_flush):
-                        if flush:
-                            fragment_rows(rAcc, mCheckpoint[slot64, vhead, None, None], part * R + r0, piece)
-
-                    rK = cute.make_rmem_tensor((vec,), Float32)
-                    rQ = cute.make_rmem_tensor((vec,), Float32)
-                    rK.fill(0.0)
-                    rQ.fill(0.0)
-                    if lane < KL:
-                        for e in cutlass.range_constexpr(vec):
-                            rK[e] = sK[lane * vec + e, stage]
-                            rQ[e] = sQ[lane * vec + e, stage]
-
-                    # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
-                    # exp(sum of the later g, this token's included).
-                    g_j = cutlass.select_(lane == h, g, Float32(0.0))
+                    fragments_buffer = 2 * cg + live_items % 2
+                    # The key head's ring dots k_p . k and k_p . q (each head weights them for itself
+                    # below) and, for a read copy's rows on tensor cores, k and q as B fragments: once
+                    # for the item's heads, split over the warps.
                     if cutlass.const_expr(ring):
-                        p_lane = lane % cap
-                        g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, stage],
-                                                 Float32(0.0))
-                        g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
-                        if lane < h:
-                            g_j = g_rec
-                    tail = lane_scan(g_j, reverse=True)
-                    w_j = cute.math.exp(tail - g_j, fastmath=False)
-                    gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
-
-                    # This lane's row's u at every ring position (cached; a re-deriving flush
-                    # replaces them), and the key head's weighted ring dots: warp cw takes positions
-                    # cw, cw + CW, ... (a lane's value 2 i / 2 i + 1: k_p . k / k_p . q of its i-th
-                    # position); a re-deriving flush's warps also split the records' coupling.
-                    rU = cute.make_rmem_tensor((cap,), Float32)
-                    beta_lane = Float32(0.0)  # lane j: beta of record j, read only where a flush re-derives
-                    if cutlass.const_expr(rederive):
-                        if flush and lane < h:
-                            beta_lane = sRingBeta[(origin + lane) % cap, stage]
-                    if cutlass.const_expr(ring):
-                        for p in cutlass.range_constexpr(cap):
-                            rU[p] = sRingU[p, r0 + lr, stage].to(Float32)
-                        rDots = cute.make_rmem_tensor((n_dots,), Float32)
-                        rDots.fill(0.0)
-                        if lane < KL:
-                            for i in cutlass.range_constexpr(pos_per_warp):
-                                p = cw + CW * i
-                                if p < cap:
-                                    rKey = cute.make_rmem_tensor((vec,), act)
-                                    cute.autovec_copy(cute.local_tile(sRingK[p, None, stage], (vec,), (lane,)), rKey)
-                                    for e in cutlass.range_constexpr(vec):
-                                        rDots[2 * i] = rDots[2 * i] + rKey[e].to(Float32) * rK[e]
-                                        rDots[2 * i + 1] = rDots[2 * i + 1] + rKey[e].to(Float32) * rQ[e]
-                        dot = warp_reduce_many(rDots, n_dots)  # lane l: value l >> dot_shift
-                        value = lane >> dot_shift
-                        p_l = cw + CW * (value // 2)
-                        j_l = (p_l - origin + cap) % cap
-                        w_l = cute.arch.shuffle_sync(w_j, j_l)
-                        if lane % (1 << dot_shift) == 0 and value < 2 * pos_per_warp and p_l < cap:
-                            sRingDot[value % 2, p_l, stage] = cutlass.select_(j_l < h, w_l * dot, Float32(0.0))
-                        if cutlass.const_expr(rederive):
-                            if flush:
-                                solve_matrix(sRingK[None, None, stage], sSolve[None, None, stage], g_j, beta_lane, origin,
-                                             h, cw, CW, cap, act.width <= 16)
+                        rKeyK, rKeyQ = lane_vectors(sK[None, stage], sQ[None, stage], vec)
+                        key_head_ring_dots(sRingK[None, None, stage], rKeyK, rKeyQ, sRingDot[None, None, stage],
+                                           cw, CW, cap, vec)
+                        if cutlass.const_expr(mma_reads):
+                            if not flush:
+                                share_b_fragments(read, (rKeyK, rKeyQ), kq_ups,
+                                                  sKQFragments[None, None, None, fragments_buffer], cw, CW)
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
-                    # S k and S q of the warp's rows (the checkpoint before this token): a flush
-                    # holds its fp32 rows in registers (from the stage, or from global memory next
-                    # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation; a
-                    # read copy's rows meet k and q on tensor cores where they can.
-                    s_k = Float32(0.0)  # lane lr's row's totals
-                    s_q = Float32(0.0)
-                    rRows = cute.make_rmem_tensor((2 * RW,), Float32)
-                    rRows.fill(0.0)
-                    if flush:
+                    for hi in cutlass.range(HI, unroll=1):
+                        # the stage, the plan and the key head's quantities (k, q, the ring keys) anew
+                        # per head, as far as the compiler can tell: what it computes from them would
+                        # otherwise be hoisted out of the loop and stay live across the heads
+                        st = loop_variant(stage, hi)
+                        origin = loop_variant(origin, hi)
+                        h = loop_variant(h, hi)
+                        vhead = vhead0 + hi
+                        hr0 = hi * R + r0  # the warp's first row of this head in the stage
+                        g = sMetaF[META_G, hi, st]
+                        beta = sMetaF[META_BETA, hi, st]
+                        rK, rQ = lane_vectors(sK[None, st], sQ[None, st], vec)
+                        # a flush's fp32 rows: the lane's slice of each of the warp's rows, or on tensor
+                        # cores its quarter of two of them (fragment_rows), loaded first so that their
+                        # latency overlaps the head's work below (not live across heads: registers)
+                        rAcc = cute.make_rmem_tensor(cute.make_layout(flush_rows, stride=(flush_rows[1], 1)), Float32)
                         if cutlass.const_expr(mma_flush):
-                            s_k, s_q = fragment_row_dots(rAcc, sK[None, stage], sQ[None, stage], piece)
-                            if cutlass.const_expr(rederive):
-                                fragment_key_dots(rAcc, sRingK[None, None, stage], sSk[None, None, warp - 1], cap,
-                                                  act.width <= 16, piece)
-                        else:
-                            rAcc.fill(0.0)
-                            if lane < KL:  # lanes past K hold zeros (K < 32 vec)
-                                for r in cutlass.range_constexpr(RW):
-                                    if cutlass.const_expr(read is None):
-                                        src = cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,))
-                                    else:
-                                        src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None],
-                                                              (vec,), (lane,))
-                                    cute.autovec_copy(src, rAcc[r, None])
-                            for r in cutlass.range_constexpr(RW):
-                                for e in cutlass.range_constexpr(vec):
-                                    rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
-                                    rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
-                            if cutlass.const_expr(rederive):
-                                checkpoint_key_dots(rAcc, sRingK[None, None, stage], sSk[None, None, warp - 1], RW,
-                                                    cap, vec, act)
-                    else:
-                        state_scale = Float32(1.0)
-                        if cutlass.const_expr(read is not None and read.has_state_scale):
-                            state_scale = sMetaF[READ_STATE_SCALE, stage]
-                        if cutlass.const_expr(mma_reads):
-                            sScaleRows = None
-                            if cutlass.const_expr(read.scale_dtype is not None):
-                                sScaleRows = cute.local_tile(sReadScale[None, None, stage], (RW, read.scales_per_row),
-                                                             (cw, 0))
-                            rB = lane_b_fragments(read, (rK, rQ), kq_ups)
-                            dots = mma_row_dots(read, cute.local_tile(sState[None, None, stage], (RW, entry.cols), (cw, 0)),
-                                                sScaleRows, rB, 2, state_scale)
-                            s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
-                            s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
-                        elif lane < KL:
-                            for r in cutlass.range_constexpr(RW):
-                                rS = cute.make_rmem_tensor((vec,), Float32)
-                                if cutlass.const_expr(read is None):
-                                    cute.autovec_copy(cute.local_tile(sState[r0 + r, None, stage], (vec,), (lane,)), rS)
-                                else:
-                                    scale = smem_scale(read, sReadScale, stage, r0 + r, lane * vec, state_scale)
-                                    decode_slice(read, cute.local_tile(sState[r0 + r, None, stage],
-                                                                       (read.per_lane(vec),), (lane,)), scale, rS)
-                                for e in cutlass.range_constexpr(vec):
-                                    rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
-                                    rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
-                    if cutlass.const_expr(rederive):
-                        if flush:
-                            cute.arch.sync_warp()  # the warp's S_ckpt k_p
-                            coupled_substitution(sSolve[None, None, stage], sSk[None, None, warp - 1],
-                                                 cute.local_tile(sRingV[None, None, stage], (cap, RW), (0, cw)),
-                                                 sUre[None, None, warp - 1], beta_lane, rU, g_j, origin, h, RW, cap)
+                            if flush:
+                                fragment_rows(rAcc, mCheckpoint[slot64, vhead, None, None], part * R + r0, piece)
 
-                    # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
-                    ring_k = Float32(0.0)
-                    ring_q = Float32(0.0)
-                    if cutlass.const_expr(ring):
-                        for p in cutlass.range_constexpr(cap):
-                            ring_k = ring_k + sRingDot[0, p, stage] * rU[p]
-                            ring_q = ring_q + sRingDot[1, p, stage] * rU[p]
-                    if flush:
-                        if cutlass.const_expr(not mma_flush):
-                            s_k, s_q = row_totals(rRows, lr, RW)
-                    elif cutlass.const_expr(not mma_reads):
-                        s_k, s_q = row_totals(rRows, lr, RW)
-
-                    v_cur = sV[r0 + lr, stage]
-                    u = beta * (v_cur - (gamma * s_k + ring_k))
-                    if lane < RW:
-                        mOut[row, vhead, i_row] = (gamma * s_q + ring_q + u * kq).to(act)
-                    if flush:
-                        self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sK, sUre, sAmax, stage,
-                                            mCheckpoint, copy, slot64, vhead, part * R + r0, cw, warp - 1, group_barrier)
-                    else:
+                        # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
+                        # exp(sum of the later g, this token's included).
+                        g_rec = Float32(0.0)
                         if cutlass.const_expr(ring):
-                            if lane < RW:
-                                mRingU[slot64, pos_h, vhead, i_row] = u.to(cutlass.Float16)
-                                if cutlass.const_expr(s.keep_v_beta):
-                                    mRingV[slot64, pos_h, vhead, i_row] = v_cur.to(act)
-                            # this token's key once per key head, its g (and beta) once per value head
-                            if part == 0 and cw == 0:
-                                if vhead % rep == 0 and lane < KL:
+                            p_lane = lane % cap
+                            g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, hi, st],
+                                                     Float32(0.0))
+                            g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
+                        g_j, tail = record_values(g, g_rec, h, ring)
+                        w_j = cute.math.exp(tail - g_j, fastmath=False)
+                        gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+                        # This lane's row's u at every ring position (cached; a re-deriving flush
+                        # replaces them) and the head's weighted ring dots (lane p: position p's, into
+                        # the warp's scratch); a re-deriving flush's warps also split the records'
+                        # coupling.
+                        rU = cute.make_rmem_tensor((cap,), Float32)
+                        beta_lane = Float32(0.0)  # lane j: beta of record j, read only where a flush re-derives
+                        if cutlass.const_expr(rederive):
+                            if flush and lane < h:
+                                beta_lane = sRingBeta[(origin + lane) % cap, hi, st]
+                        if cutlass.const_expr(ring):
+                            for p in cutlass.range_constexpr(cap):
+                                rU[p] = sRingU[p, hr0 + lr, st].to(Float32)
+                            j_l = (lane % cap - origin + cap) % cap
+                            w_l = cute.arch.shuffle_sync(w_j, j_l)
+                            if lane < cap:
+                                for d in cutlass.range_constexpr(2):
+                                    sWeightedDots[d, lane, scratch] = cutlass.select_(j_l < h, w_l * sRingDot[d, lane, st],
+                                                                                      Float32(0.0))
+                            if cutlass.const_expr(rederive):
+                                if flush:
+                                    solve_matrix(sRingK[None, None, st], sSolve[None, None, hi, cg], g_j, beta_lane,
+                                                 origin, h, cw, CW, cap, act.width <= 16)
+                                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                            cute.arch.sync_warp()  # the weighted dots
+
+                        # S k and S q of the warp's rows (the checkpoint before this token): a flush
+                        # holds its fp32 rows in registers (from the stage, or from global memory next
+                        # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation; a
+                        # read copy's rows meet k and q on tensor cores where they can.
+                        s_k = Float32(0.0)  # lane lr's row's totals
+                        s_q = Float32(0.0)
+                        rRows = cute.make_rmem_tensor((2 * RW,), Float32)
+                        rRows.fill(0.0)
+                        if flush:
+                            if cutlass.const_expr(mma_flush):
+                                s_k, s_q = fragment_row_dots(rAcc, sK[None, st], sQ[None, st], piece)
+                                if cutlass.const_expr(rederive):
+                                    fragment_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], cap,
+                                                      act.width <= 16, piece)
+                            else:
+                                rAcc.fill(0.0)
+                                if lane < KL:  # lanes past K hold zeros (K < 32 vec)
+                                    for r in cutlass.range_constexpr(RW):
+                                        if cutlass.const_expr(read is None):
+                                            src = cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,))
+                                        else:
+                                            src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None],
+                                                                  (vec,), (lane,))
+                                        cute.autovec_copy(src, rAcc[r, None])
+                                for r in cutlass.range_constexpr(RW):
                                     for e in cutlass.range_constexpr(vec):
-                                        mRingK[slot64, pos_h, khead, lane * vec + e] = rK[e].to(act)
-                                if lane == 0:
-                                    mRingG[slot64, pos_h, vhead] = g
+                                        rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
+                                        rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
+                                if cutlass.const_expr(rederive):
+                                    checkpoint_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], RW,
+                                                        cap, vec, act)
+                        else:
+                            state_scale = Float32(1.0)
+                            if cutlass.const_expr(read is not None and read.has_state_scale):
+                                state_scale = sMetaF[READ_STATE_SCALE, hi, st]
+                            if cutlass.const_expr(mma_reads):
+                                sScaleRows = None
+                                if cutlass.const_expr(read.scale_dtype is not None):
+                                    sScaleRows = cute.local_tile(sReadScale[None, None, st],
+                                                                 (RW, read.scales_per_row), (hi * CW + cw, 0))
+                                rB = shared_b_fragments(read, sKQFragments[None, None, None, fragments_buffer], 2)
+                                dots = mma_row_dots(read, cute.local_tile(sState[None, None, st], (RW, entry.cols),
+                                                                          (hi * CW + cw, 0)),
+                                                    sScaleRows, rB, 2, state_scale)
+                                s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
+                                s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
+                            elif lane < KL:
+                                for r in cutlass.range_constexpr(RW):
+                                    rS = cute.make_rmem_tensor((vec,), Float32)
+                                    if cutlass.const_expr(read is None):
+                                        cute.autovec_copy(cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,)),
+                                                          rS)
+                                    else:
+                                        scale = smem_scale(read, sReadScale, st, hr0 + r, lane * vec, state_scale)
+                                        decode_slice(read, cute.local_tile(sState[hr0 + r, None, st],
+                                                                           (read.per_lane(vec),), (lane,)), scale, rS)
+                                    for e in cutlass.range_constexpr(vec):
+                                        rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
+                                        rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+                        if cutlass.const_expr(rederive):
+                            if flush:
+                                cute.arch.sync_warp()  # the warp's S_ckpt k_p
+                                coupled_substitution(sSolve[None, None, hi, cg], sSk[None, None, scratch],
+                                                     cute.local_tile(sRingV[None, None, st], (cap, RW), (0, hi * CW + cw)),
+                                                     sUre[None, None, scratch], beta_lane, rU, g_j, origin, h, RW, cap)
+
+                        # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
+                        ring_k = Float32(0.0)
+                        ring_q = Float32(0.0)
+                        if cutlass.const_expr(ring):
+                            for p in cutlass.range_constexpr(cap):
+                                ring_k = ring_k + sWeightedDots[0, p, scratch] * rU[p]
+                                ring_q = ring_q + sWeightedDots[1, p, scratch] * rU[p]
+                        if flush:
+                            if cutlass.const_expr(not mma_flush):
+                                s_k, s_q = row_totals(rRows, lr, RW)
+                        elif cutlass.const_expr(not mma_reads):
+                            s_k, s_q = row_totals(rRows, lr, RW)
+
+                        v_cur = sV[hr0 + lr, st]
+                        u = beta * (v_cur - (gamma * s_k + ring_k))
+                        if lane < RW:
+                            mOut[row, vhead, part * R + i_row] = (gamma * s_q + ring_q + u * kq).to(act)
+                        if flush:
+                            sHeadAmax = None
+                            if cutlass.const_expr(copies.whole_state):
+                                sHeadAmax = sAmax[None, hi, None]
+                            self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sK, sUre, sHeadAmax,
+                                                st, mCheckpoint, copy, slot64, vhead, part * R + r0, cw, scratch,
+                                                group_barrier)
+                        else:
+                            if cutlass.const_expr(ring):
+                                if lane < RW:
+                                    mRingU[slot64, pos_h, vhead, part * R + i_row] = u.to(cutlass.Float16)
                                     if cutlass.const_expr(s.keep_v_beta):
-                                        mRingBeta[slot64, pos_h, vhead] = beta
+                                        mRingV[slot64, pos_h, vhead, part * R + i_row] = v_cur.to(act)
+                                # this token's key once per key head, its g (and beta) once per value head
+                                if part == 0 and cw == 0:
+                                    if vhead % rep == 0 and lane < KL:
+                                        for e in cutlass.range_constexpr(vec):
+                                            mRingK[slot64, pos_h, vhead // rep, lane * vec + e] = rK[e].to(act)
+                                    if lane == 0:
+                                        mRingG[slot64, pos_h, vhead] = g
+                                        if cutlass.const_expr(s.keep_v_beta):
+                                            mRingBeta[slot64, pos_h, vhead] = beta
+                        cute.arch.sync_warp()  # the warp's scratch read before the next head writes it
+                    live_items = live_items + 1
                 release_stage(empty, stage)
                 it = it + 1
 
@@ -987,7 +1127,7 @@ class GDNPipelinedDecode:
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
         replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
         state scale from the folded rows of every consumer warp of the group first, which meet at
-        ``group_barrier``). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
+        ``group_barrier`` through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
         the fold runs on tensor cores (``fragment_fold``, through the warp's ``scratch`` of ``sUre``)."""
         s, c = self.shape, self.config
         cap, K = s.capacity, s.head_k_dim
@@ -1066,42 +1206,45 @@ class GDNPipelinedDecode:
                      token: GDNToken, rQ: cute.Tensor, rK: cute.Tensor, rV: cute.Tensor, rInt: cute.Tensor,
                      rFloat: cute.Tensor):
         """Of items ``first + u stride`` (u < prefetch, clamped to the last item): this lane's
-        elements of their q, k (K / 32 each) and v (R / 32) into ``rQ[u]``, ``rK[u]``, ``rV[u]``
-        (fp32); lane u: (slot, h, origin) of item u into ``rInt``, (raw gates a and b, A_log,
-        dt_bias) into ``rFloat``."""
+        elements of their q, k (K / 32 each) and v (the item's rows / 32, its heads' one after the
+        other) into ``rQ[u]``, ``rK[u]``, ``rV[u]`` (fp32); lane u: (slot, h, origin) of item u
+        into ``rInt``, and each head i's (raw gates a and b, A_log, dt_bias) into ``rFloat[None, i]``."""
         s, c = self.shape, self.config
-        HV, K, R = s.num_v_heads, s.head_k_dim, c.rows_per_item
+        HV, K, R, HI = s.num_v_heads, s.head_k_dim, c.rows_per_item, c.heads_per_item
         parts = s.head_v_dim // R
+        HVI = HV // HI
         rep = HV // s.num_k_heads
         lane = cute.arch.lane_idx()
         mQ, mK, mV, mA, mB, mALog, mDtBias = token
         for u in cutlass.range_constexpr(c.prefetch):
             item = cutlass.min(first + u * stride, total - 1)
-            row = item // (HV * parts)
-            vhead = (item // parts) % HV
+            row = item // (HVI * parts)
+            vhead0 = (item // parts) % HVI * HI
             part = item % parts
             for e in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
                 rQ[u, e] = Float32(0.0)  # zeros past K: the norms take only the key's elements
                 rK[u, e] = Float32(0.0)
                 if e * 32 + lane < K:
-                    rQ[u, e] = mQ[row, vhead // rep, e * 32 + lane].to(Float32)
-                    rK[u, e] = mK[row, vhead // rep, e * 32 + lane].to(Float32)
+                    rQ[u, e] = mQ[row, vhead0 // rep, e * 32 + lane].to(Float32)
+                    rK[u, e] = mK[row, vhead0 // rep, e * 32 + lane].to(Float32)
             for e in cutlass.range_constexpr(cute.size(rV, mode=[1])):
-                if e * 32 + lane < R:
-                    rV[u, e] = mV[row, vhead, part * R + e * 32 + lane].to(Float32)
+                r = e * 32 + lane  # the item's row r: head r // R, row r % R of its part
+                if r < HI * R:
+                    rV[u, e] = mV[row, vhead0 + r // R, part * R + r % R].to(Float32)
         item = cutlass.min(first + (lane % c.prefetch) * stride, total - 1)
-        row = item // (HV * parts)
-        vhead = (item // parts) % HV
+        row = item // (HVI * parts)
+        vhead0 = (item // parts) % HVI * HI
         rInt[0] = mSlot[row]
         rInt[1] = Int32(0)
         rInt[2] = Int32(0)
         if cutlass.const_expr(s.window > 1):
             rInt[1] = mPlan[row, 1]
             rInt[2] = mPlan[row, 2]
-        rFloat[0] = mA[row, vhead].to(Float32)
-        rFloat[1] = mB[row, vhead].to(Float32)
-        rFloat[2] = mALog[vhead].to(Float32)
-        rFloat[3] = mDtBias[vhead].to(Float32)
+        for i in cutlass.range_constexpr(HI):
+            rFloat[0, i] = mA[row, vhead0 + i].to(Float32)
+            rFloat[1, i] = mB[row, vhead0 + i].to(Float32)
+            rFloat[2, i] = mALog[vhead0 + i].to(Float32)
+            rFloat[3, i] = mDtBias[vhead0 + i].to(Float32)
 
 
 def compile_pipelined_decode(shape: GDNShape, config: GDNPipeConfig, options: str):

@@ -56,7 +56,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, clear_stale_record, lane_scan, launch_tiles, planned_positions,
+from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, record_values,
                       slot_is_live, softplus, warp_reduce_many, warp_sum)
 from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_row_dots,
                         prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads, store_copies,
@@ -225,13 +225,10 @@ class Mamba2Decode:
                 dt_cur = dt_cur + mDtBias[head].to(Float32)
             if cutlass.const_expr(s.dt_softplus):
                 dt_cur = softplus(dt_cur)
-            dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
+            dt_rec = Float32(0.0)
             if cutlass.const_expr(L > 1):
                 dt_rec = cute.arch.shuffle_sync(dt_phys, (origin + lane) % cap)
-                if lane < h:
-                    dt_j = dt_rec
-            # Suffix sums over records (j, h] by a reversed inclusive scan across lanes.
-            tail = lane_scan(dt_j, reverse=True)
+            dt_j, tail = record_values(dt_cur, dt_rec, h, L > 1)
             w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
             gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
 

@@ -2,20 +2,21 @@
 
 Same step as ``kernels/mamba2/decode.py`` (ReplaySSM standard decoding; window 1 is the
 conventional step), with a different residency: the grid is a fixed number of CTAs that loop over
-work items, one item per (batch row, head), items ``bid, bid + grid, ...``. Warp 0 of a CTA is the
-producer, the other warps consume:
+work items, one item per (batch row, ``heads_per_item`` consecutive heads of one group), items
+``bid, bid + grid, ...``. Warp 0 of a CTA is the producer, the other warps consume:
 
 - the producer fills a ring of ``stages`` shared-memory stages (protocol: kernels/pipeline.py),
-  each holding everything one item needs: the head's (P, N) state tile (one TMA box; see read
-  copies below), the
-  live ring records of the head (x) and of its group (B, dt; stale positions stored as zeros),
-  this token's x, z, B, C (cp.async, 16 bytes a lane) and the item's scalars (slot, h, origin,
-  dt, A, D, dt_bias), loaded a chunk of items ahead and stored into the stage. B sits in a key matrix:
-  row 0 this token's, row 1 + p position p's, zero rows up to a multiple of 8;
-- the consumers wait for a stage, compute the item from shared memory only (no global load in
-  their path), write the output, the ring append or the folded checkpoint rows (tensor cores:
-  the coefficients as MMA A fragments against the key matrix; or CUDA cores), and release the
-  stage to the producer (one arrival per consumer warp).
+  each holding everything one item needs: its heads' (P, N) state tiles one after the other (one
+  TMA box; see read copies below), the live ring records of the heads (x, dt) and of their group
+  (B; stale positions stored as zeros), this token's x, z, B, C (cp.async, 16 bytes a lane) and
+  the item's scalars (slot, h, origin; dt, A, D, dt_bias per head), loaded a chunk of items ahead
+  and stored into the stage. B sits in a key matrix: row 0 this token's, row 1 + p position p's,
+  zero rows up to a multiple of 8;
+- the consumers wait for a stage, compute the group's quantities once (this token's and every
+  ring position's B . C), then each head from shared memory only (no
+  global load in their path): the output, the ring append or the folded checkpoint rows (tensor
+  cores: the coefficients as MMA A fragments against the key matrix; or CUDA cores), and release
+  the stage to the producer (one arrival per consumer warp).
 
 So the bytes in flight per SM come from the stages (``stages - 1`` items ahead of the consumers),
 not from how long a CTA lives. Consumer warp c owns state rows [c RW, (c + 1) RW) (RW <= 16, one
@@ -60,14 +61,14 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, lane_scan, launch, load_past_l1,
-                      pow2_at_least, prefetch_l2, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
-from ..config_space import PIPELINE_STAGE_CHOICES
+from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, launch, load_past_l1, pow2_at_least,
+                      prefetch_l2, record_values, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
+from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE, ReadCopy,
-                        acquire_stage, as_column, as_row, box_partition, copy_read_scales_async, copy_records_async,
-                        copy_rows_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
-                        residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
+                        ReadCopy, acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
+                        copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage,
+                        release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, smem_scale,
                         store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Shape, rows_on_tensor_cores
@@ -75,6 +76,7 @@ from .config import Mamba2Shape, rows_on_tensor_cores
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
+GROUP_DOTS = 33  # a consumer warp's B . C of the item's group: lane l's ring value, then this token's
 META_DT, META_A, META_D, META_DT_BIAS = 0, 1, 2, 3  # its fp32 slots (chunk_inputs' order; READ_STATE_SCALE after)
 
 
@@ -108,7 +110,10 @@ class Mamba2PipeConfig:
     ``consumer_groups`` groups of them take turns at the items (group g the CTA's items g, g + G,
     ...), so that many items are computed at once; ``prefetch`` items whose scalars the producer
     loads in one round (a lane each; kernels/pipeline.py); ``min_ctas_per_sm`` > 0 caps registers
-    so that many CTAs fit an SM (as the tile configs' field)."""
+    so that many CTAs fit an SM (as the tile configs' field); ``heads_per_item`` consecutive heads of
+    one group per item: the group's B . C (this token's and the ring's) is
+    computed once for them, and a stage holds their tiles (one TMA box), so that small read-copy
+    tiles keep more bytes in flight."""
 
     stages: int = 4
     ctas: int = 132
@@ -118,13 +123,14 @@ class Mamba2PipeConfig:
     rows_per_warp: int = 16
     consumer_groups: int = 1
     flush_tile: bool = False  # next to a read copy: stages hold a flush's fp32 checkpoint tile too
+    heads_per_item: int = 1
 
-    @staticmethod
-    def tile_bytes(shape: Mamba2Shape) -> int:
-        """A stage's state tile: the fp32 checkpoint, or the read copy with its block scales
-        (what a step loads at entry: ``StateCopies.entry``)."""
+    def tile_bytes(self, shape: Mamba2Shape) -> int:
+        """A stage's state tiles: the item's heads' fp32 checkpoint, or read copy with its block
+        scales (what a step loads at entry: ``StateCopies.entry``)."""
         entry = shape.copies.entry
-        return shape.headdim * entry.row_bytes + entry.scale_smem_bytes(shape.headdim)
+        rows = self.heads_per_item * shape.headdim
+        return rows * entry.row_bytes + entry.scale_smem_bytes(rows)
 
     def consumer_warps(self, shape: Mamba2Shape) -> int:
         """An item's consumer warps: the fewest that split headdim into at most ``rows_per_warp`` rows each."""
@@ -140,21 +146,25 @@ class Mamba2PipeConfig:
         a non-flushing item's read copy shares (its block scales after it)."""
         if not self.flush_tile:
             return self.tile_bytes(shape)
-        return shape.headdim * shape.dstate * 4 + shape.copies.entry.scale_smem_bytes(shape.headdim)
+        rows = self.heads_per_item * shape.headdim
+        return rows * shape.dstate * 4 + shape.copies.entry.scale_smem_bytes(rows)
 
     def stage_bytes(self, shape: Mamba2Shape) -> int:
-        P, N, cap = shape.headdim, shape.dstate, shape.capacity
+        HI, N, cap = self.heads_per_item, shape.dstate, shape.capacity
+        P = HI * shape.headdim  # the item's rows
         act = shape.act_dtype.width // 8
         ring = cap * P * act if shape.window > 1 else 0
-        return (self.stage_tile_bytes(shape) + ring + key_rows(shape) * N * act + (2 * P + N) * act + 32 * 4 + 2 * META * 4
-                + (4 * self.consumer_warps(shape) if shape.copies.whole_state else 0) + 128)
+        return (self.stage_tile_bytes(shape) + ring + key_rows(shape) * N * act + (2 * P + N) * act + HI * 32 * 4
+                + (1 + HI) * META * 4 + (4 * self.consumer_warps(shape) * HI if shape.copies.whole_state else 0) + 128)
 
     def smem_bytes(self, shape: Mamba2Shape) -> int:
-        return stages_smem_bytes(self.stages, self.stage_bytes(shape))
+        # and per consumer warp its item's group dots (GROUP_DOTS, not staged)
+        return stages_smem_bytes(self.stages, self.stage_bytes(shape)) + GROUP_DOTS * 4 * self.consumer_groups * \
+            self.consumer_warps(shape)
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.mma_fold, self.prefetch, self.min_ctas_per_sm, self.rows_per_warp,
-                self.consumer_groups, self.flush_tile)
+                self.consumer_groups, self.flush_tile, self.heads_per_item)
 
     def check(self, shape: Mamba2Shape) -> Optional[str]:
         P, N = shape.headdim, shape.dstate
@@ -172,6 +182,13 @@ class Mamba2PipeConfig:
             return "flush_tile is for read copies (an fp32 tile is always the checkpoint's)"
         if P > 256 or P % 8:
             return f"headdim {P}: the kernel needs a multiple of 8 up to 256 (one TMA box per head)"
+        heads_per_group = shape.nheads // shape.ngroups
+        if self.heads_per_item < 1 or heads_per_group % self.heads_per_item:
+            return (f"heads_per_item {self.heads_per_item}: expected a divisor of the heads per group "
+                    f"({heads_per_group})")
+        if self.heads_per_item * P > MAX_BOX_ROWS:
+            return (f"heads_per_item {self.heads_per_item}: {self.heads_per_item} heads of {P} rows are more than "
+                    f"one TMA box holds ({MAX_BOX_ROWS} rows)")
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
         if self.rows_per_warp not in ROWS_PER_WARP:
@@ -296,11 +313,11 @@ class Mamba2PipelinedDecode:
         stream,
     ):
         s, c = self.shape, self.config
-        H, P = s.nheads, s.headdim
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, P)
+        H, P, HI = s.nheads, s.headdim, c.heads_per_item
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, HI * P)
         tma_ckpt, mCkptTma = tma_state, mStateTma
-        if cutlass.const_expr(c.flush_tile):  # a flushing item's checkpoint tile
-            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, s.dstate, H * P, P)
+        if cutlass.const_expr(c.flush_tile):  # a flushing item's checkpoint tiles
+            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, s.dstate, H * P, HI * P)
         launch(self.kernel(
             tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias),
             mSlot, mOut,
@@ -329,15 +346,18 @@ class Mamba2PipelinedDecode:
         PF = c.prefetch
         CW = self.consumer_warps
         RW = P // CW
+        HI = c.heads_per_item
+        PI = HI * P  # an item's rows: its heads' tiles one after the other
         vec = N // 32
         heads_per_group = H // G
+        items_per_row = H // HI
         act = s.act_dtype
         ring = L > 1
         KR = key_rows(s)
         per16 = 128 // act.width  # act elements per 16-byte cp.async
         copies = s.copies
         read = copies.read
-        box_bytes = P * copies.entry.row_bytes
+        box_bytes = PI * copies.entry.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -345,36 +365,41 @@ class Mamba2PipelinedDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         num_slots = mCheckpoint.shape[0]
-        total = mX.shape[0] * H
+        total = mX.shape[0] * items_per_row
 
-        # Shared memory, declared once: per stage the item's state tile (the fp32 checkpoint, or
-        # the read copy and its scales), ring records, this token's activations and scalars; a
-        # full and an empty mbarrier per stage.
+        # Shared memory, declared once: per stage the item's state tiles (the fp32 checkpoint, or
+        # the read copy and its scales; head i's rows from i P), ring records, this token's
+        # activations and scalars (per head where they are a head's); a full and an empty mbarrier
+        # per stage.
         smem = SmemAllocator()
         sState, sRead, sReadScale, sAmax = None, None, None, None
         if cutlass.const_expr(read is None or c.flush_tile):
-            sState = staged(smem, Float32, (P, N), ST, byte_alignment=128)
+            sState = staged(smem, Float32, (PI, N), ST, byte_alignment=128)
         if cutlass.const_expr(read is not None):
             if cutlass.const_expr(c.flush_tile):  # a non-flushing item's read copy in the checkpoint tile's place
                 sRead = cute.make_tensor(cute.recast_ptr(sState.iterator, dtype=read.storage), cute.make_layout(
-                    (P, read.cols, ST), stride=(read.cols, 1, P * N * 32 // read.storage.width)))
+                    (PI, read.cols, ST), stride=(read.cols, 1, PI * N * 32 // read.storage.width)))
             else:
-                sRead = staged(smem, read.storage, (P, read.cols), ST, byte_alignment=128)
+                sRead = staged(smem, read.storage, (PI, read.cols), ST, byte_alignment=128)
             if cutlass.const_expr(read.scale_dtype is not None):
-                sReadScale = staged(smem, read.scale_dtype, (P, read.scales_per_row), ST)
+                sReadScale = staged(smem, read.scale_dtype, (PI, read.scales_per_row), ST)
             if cutlass.const_expr(copies.whole_state):
-                sAmax = staged(smem, Float32, (CW,), ST)
+                sAmax = staged(smem, Float32, (CW, HI), ST)
         sRingX = None
         if cutlass.const_expr(ring):
-            sRingX = staged(smem, act, (cap, P), ST)
+            sRingX = staged(smem, act, (cap, PI), ST)
         # Keys: row 0 this token's B, row 1 + p the B at ring position p, zero rows after (MMA k).
         sKeys = staged(smem, act, (KR, N), ST)
-        sX = staged(smem, act, (P,), ST)
-        sZ = staged(smem, act, (P,), ST)
+        sX = staged(smem, act, (PI,), ST)
+        sZ = staged(smem, act, (PI,), ST)
         sC = staged(smem, act, (N,), ST)
-        sRingDt = staged(smem, Float32, (32,), ST)
+        sRingDt = staged(smem, Float32, (32, HI), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
-        sMetaF = staged(smem, Float32, (META,), ST)
+        sMetaF = staged(smem, Float32, (META, HI), ST)
+        # each consumer warp's B . C of its item's group, kept there for the item's heads (in
+        # registers they would be live through the register-heavy flush paths)
+        sGroupDots = smem.allocate_tensor(Float32, cute.make_layout((GROUP_DOTS, c.consumer_groups * CW)),
+                                          byte_alignment=16)
         full, empty = stage_barriers(smem, ST, CW)
 
         # While the previous kernel finishes: lane u of the producer asks L2 for the state tile
@@ -384,18 +409,18 @@ class Mamba2PipelinedDecode:
             if (warp == 0) & (lane < PF):
                 item = bid + lane * grid
                 if item < total:
-                    slot = load_past_l1(mSlot, item // H)
+                    slot = load_past_l1(mSlot, item // items_per_row)
                     if slot_is_live(slot, num_slots, s.pad_slot_id):
                         entry = copy.mData if copies.separate else mCheckpoint
-                        prefetch_l2(entry[Int64(slot), item % H, None, None], box_bytes)
+                        prefetch_l2(entry[Int64(slot), (item % items_per_row) * HI, None, None], box_bytes)
         after_previous_kernel()
 
         if warp == 0:
             # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState if read is None else sRead, (P, copies.entry.cols))
+            t_s, t_g = box_partition(tma_state, mStateTma, sState if read is None else sRead, (PI, copies.entry.cols))
             t_sc, t_gc = t_s, t_g
             if cutlass.const_expr(c.flush_tile):
-                t_sc, t_gc = box_partition(tma_ckpt, mCkptTma, sState, (P, N))
+                t_sc, t_gc = box_partition(tma_ckpt, mCkptTma, sState, (PI, N))
             # key rows past the ring stay zero (published with each stage's first use)
             first_pad = 1 + cap if ring else 1
             for st in cutlass.range_constexpr(ST):
@@ -408,9 +433,9 @@ class Mamba2PipelinedDecode:
             # chunk's item u, and the next chunk's are loaded while this one is issued, so a
             # load's latency is paid once per chunk behind PF stage waits, not per item.
             rInt = cute.make_rmem_tensor((3,), Int32)
-            rFloat = cute.make_rmem_tensor((4,), Float32)
+            rFloat = cute.make_rmem_tensor((4, HI), Float32)
             rIntNext = cute.make_rmem_tensor((3,), Int32)
-            rFloatNext = cute.make_rmem_tensor((4,), Float32)
+            rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
             self.chunk_scalars(bid, grid, total, mSlot, mPlan, token, rInt, rFloat)
             chunk = Int32(0)
             for first in cutlass.range(bid, total, grid * PF, unroll=1):
@@ -418,11 +443,12 @@ class Mamba2PipelinedDecode:
                 for u in cutlass.range_constexpr(PF):
                     item = first + u * grid
                     if item < total:
-                        row = item // H
-                        head = item % H
-                        group = head // heads_per_group
+                        row = item // items_per_row
+                        head0 = (item % items_per_row) * HI  # the item's first head
+                        group = head0 // heads_per_group
                         stage, phase = stage_of(chunk * PF + u, ST)
                         slot = cute.arch.shuffle_sync(rInt[0], u)
+                        box = slot * items_per_row + head0 // HI  # its tiles' TMA box
                         h = cute.arch.shuffle_sync(rInt[1], u)
                         origin = cute.arch.shuffle_sync(rInt[2], u)
                         live = slot_is_live(slot, num_slots, s.pad_slot_id)
@@ -434,40 +460,41 @@ class Mamba2PipelinedDecode:
                         if live:
                             slot64 = Int64(slot)
                             if cutlass.const_expr(read is not None):
-                                self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head, stage,
+                                self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head0, stage,
                                                            sReadScale, sMetaF)
                             # this token's activations and the live ring records (stale positions
-                            # as zeros), 16 bytes a lane
-                            copy_rows_async(copy16, as_row(mX[row, head, None]), as_row(sX[None, stage]), per16)
+                            # as zeros), 16 bytes a lane; the item's heads are consecutive in each
+                            copy_rows_async(copy16, flat(mX[row, head0, None], PI), flat(sX[None, stage], PI), per16)
                             if cutlass.const_expr(s.has_z):
-                                copy_rows_async(copy16, as_row(mZ[row, head, None]), as_row(sZ[None, stage]), per16)
+                                copy_rows_async(copy16, flat(mZ[row, head0, None], PI), flat(sZ[None, stage], PI), per16)
                             copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
                             copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
                             if cutlass.const_expr(ring):
-                                copy_records_async(copy16, mRingX[slot64, None, head, None], sRingX[None, None, stage],
-                                                   per16, origin, h)
+                                gRingX = cute.make_tensor(mRingX[slot64, None, head0, None].iterator,
+                                                          cute.make_layout((cap, PI), stride=(H * P, 1)))
+                                copy_records_async(copy16, gRingX, sRingX[None, None, stage], per16, origin, h)
                                 copy_records_async(copy16, mRingB[slot64, None, group, None],
                                                    ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
-                                copy_records_async(copy4, as_column(mRingDt[slot64, None, head]),
-                                                   as_column(cute.local_tile(sRingDt[None, stage], (cap,), (0,))), 1,
-                                                   origin, h)
-                        scalars_f = [cute.arch.shuffle_sync(rFloat[k], u) for k in range(4)]
+                                for i in cutlass.range_constexpr(HI):
+                                    copy_records_async(copy4, as_column(mRingDt[slot64, None, head0 + i]),
+                                                       as_column(cute.local_tile(sRingDt[None, i, stage], (cap,), (0,))),
+                                                       1, origin, h)
+                        scalars_f = [[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)] for i in range(HI)]
                         if lane == 0:
                             sMetaI[META_SLOT, stage] = slot
                             sMetaI[META_H, stage] = h
                             sMetaI[META_ORIGIN, stage] = origin
-                            for k in cutlass.range_constexpr(4):
-                                sMetaF[k, stage] = scalars_f[k]
+                            for i in cutlass.range_constexpr(HI):
+                                for k in cutlass.range_constexpr(4):
+                                    sMetaF[k, i, stage] = scalars_f[i][k]
                         if cutlass.const_expr(c.flush_tile):
-                            if flush_item:  # the checkpoint tile, to fold on the consumers' side
-                                publish_stage(full, stage, live, P * N * 4, tma_ckpt, t_gc[None, slot * H + head],
-                                              t_sc[None, stage])
+                            if flush_item:  # the checkpoint tiles, to fold on the consumers' side
+                                publish_stage(full, stage, live, PI * N * 4, tma_ckpt, t_gc[None, box], t_sc[None, stage])
                             else:
-                                publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, slot * H + head],
+                                publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box],
                                               t_s[None, stage])
                         else:
-                            publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, slot * H + head],
-                                          t_s[None, stage])
+                            publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box], t_s[None, stage])
                 rInt.store(rIntNext.load())
                 rFloat.store(rFloatNext.load())
                 chunk = chunk + 1
@@ -476,16 +503,17 @@ class Mamba2PipelinedDecode:
             # consumer group g computes the CTA's items g, g + G, ...; cw is the warp's place in it
             g = (warp - 1) // CW
             cw = (warp - 1) % CW
-            p_warp = cw * RW
+            p_warp = cw * RW  # the warp's first row of a head
             lr = lane % RW
             n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
             n_pos = pow2_at_least(cap)
             pos_shift = 5 - (n_pos.bit_length() - 1)
+            mma_reads = read is not None and rows_on_tensor_cores(read, RW)
             it = Int32(0)
             for item in cutlass.range(bid + g * grid, total, grid * c.consumer_groups, unroll=1):
-                row = item // H
-                head = item % H
-                group = head // heads_per_group
+                row = item // items_per_row
+                head0 = (item % items_per_row) * HI
+                group = head0 // heads_per_group
                 stage, phase = stage_of(it * c.consumer_groups + g, ST)
                 wait_stage(full, stage, phase)
                 slot = sMetaI[META_SLOT, stage]
@@ -493,72 +521,20 @@ class Mamba2PipelinedDecode:
                     slot64 = Int64(slot)
                     h = sMetaI[META_H, stage]
                     origin = sMetaI[META_ORIGIN, stage]
-                    A = sMetaF[META_A, stage]
-                    dt_cur = sMetaF[META_DT, stage]
-                    if cutlass.const_expr(s.has_dt_bias):
-                        dt_cur = dt_cur + sMetaF[META_DT_BIAS, stage]
-                    if cutlass.const_expr(s.dt_softplus):
-                        dt_cur = softplus(dt_cur)
                     flush = h + 1 >= L  # h == L only after a speculative commit
                     pos_h = (origin + h) % cap
 
-                    x_raw = sX[p_warp + lr, stage]
-                    x_cur = x_raw.to(Float32)
+                    # The group's quantities, once for the item's heads: this token's B . C, and
+                    # (lane l) B_p . C of ring position p = l >> pos_shift, into the warp's
+                    # sGroupDots.
                     rC = load_slice(sC[None, stage], lane, vec)
                     rBa = load_slice(sKeys[0, None, stage], lane, vec)
-
-                    # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
-                    dt_j = cutlass.select_(lane == h, dt_cur, Float32(0.0))
-                    if cutlass.const_expr(ring):
-                        dt_rec = sRingDt[(origin + lane) % cap, stage]
-                        if lane < h:
-                            dt_j = dt_rec
-                    tail = lane_scan(dt_j, reverse=True)
-                    w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
-                    gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
-
-                    # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
-                    # the same whether or not the row folds (C . S_new expands to it).
-                    # dot_row: lane lr's row of S . C (per-lane partial dots reduced over the warp, or
-                    # a read copy's rows on tensor cores)
-                    rDots = cute.make_rmem_tensor((n_rows,), Float32)
-                    rDots.fill(0.0)
-                    dot_row = Float32(0.0)
-                    if cutlass.const_expr(read is None):
-                        dot_row = self.tile_dot(sState, stage, p_warp, rC, rDots)
-                    elif flush:
-                        if cutlass.const_expr(c.flush_tile):  # the checkpoint tile is in the stage
-                            dot_row = self.tile_dot(sState, stage, p_warp, rC, rDots)
-                        else:  # the dots come with the fold, from the checkpoint's rows
-                            self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, g, cw, stage, gamma,
-                                                         dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, sAmax)
-                            dot_row = self.row_total(rDots)
-                    else:
-                        state_scale = Float32(1.0)
-                        if cutlass.const_expr(read.has_state_scale):
-                            state_scale = sMetaF[READ_STATE_SCALE, stage]
-                        if cutlass.const_expr(rows_on_tensor_cores(read, RW)):
-                            sScaleRows = None
-                            if cutlass.const_expr(read.scale_dtype is not None):
-                                sScaleRows = cute.local_tile(sReadScale[None, None, stage], (RW, read.scales_per_row),
-                                                             (cw, 0))
-                            rB, factor = vector_b_fragments(read, sC[None, stage], rC)
-                            dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols), (cw, 0)),
-                                                   sScaleRows, rB, 1, state_scale)[0] * factor
-                        else:
-                            for r in cutlass.range_constexpr(RW):
-                                rS = cute.make_rmem_tensor((vec,), Float32)
-                                scale = smem_scale(read, sReadScale, stage, p_warp + r, lane * vec, state_scale)
-                                decode_slice(read, cute.local_tile(sRead[p_warp + r, None, stage],
-                                                                   (read.per_lane(vec),), (lane,)), scale, rS)
-                                for v in cutlass.range_constexpr(vec):
-                                    rDots[r] = rDots[r] + rS[v] * rC[v]
-                            dot_row = self.row_total(rDots)
-                    y_row = gamma * dot_row
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
                         part = part + rBa[v] * rC[v]
-                    ring_term = dt_cur * warp_sum(part) * x_cur
+                    bc_own = warp_sum(part)
+                    if lane == 0:
+                        sGroupDots[GROUP_DOTS - 1, warp - 1] = bc_own
                     if cutlass.const_expr(ring):
                         rPos = cute.make_rmem_tensor((n_pos,), Float32)
                         rPos.fill(0.0)
@@ -566,49 +542,114 @@ class Mamba2PipelinedDecode:
                             rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
                             for v in cutlass.range_constexpr(vec):
                                 rPos[p] = rPos[p] + rBp[v] * rC[v]
-                        dot = warp_reduce_many(rPos, n_pos)  # lane l: B_p . C of p = l >> pos_shift
-                        j_l = ((lane >> pos_shift) - origin + cap) % cap
-                        bc = cute.arch.shuffle_sync(w_j, j_l) * dot
-                        for p in cutlass.range_constexpr(cap):
-                            bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
-                            live_p = (p - origin + cap) % cap < h
-                            x_p = sRingX[p, p_warp + lr, stage].to(Float32)
-                            ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
-                    if flush:
-                        # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
-                        # (next to a read copy without flush_tile: folded with the dots above)
+                        sGroupDots[lane, warp - 1] = warp_reduce_many(rPos, n_pos)
+                    cute.arch.sync_warp()
+
+                    for i in cutlass.range(HI, unroll=1):
+                        head = head0 + i
+                        p_item = i * P + p_warp  # the warp's first row in the stage
+                        A = sMetaF[META_A, i, stage]
+                        dt_cur = sMetaF[META_DT, i, stage]
+                        if cutlass.const_expr(s.has_dt_bias):
+                            dt_cur = dt_cur + sMetaF[META_DT_BIAS, i, stage]
+                        if cutlass.const_expr(s.dt_softplus):
+                            dt_cur = softplus(dt_cur)
+                        x_raw = sX[p_item + lr, stage]
+                        x_cur = x_raw.to(Float32)
+
+                        # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
+                        dt_rec = Float32(0.0)
+                        if cutlass.const_expr(ring):
+                            dt_rec = sRingDt[(origin + lane) % cap, i, stage]
+                        dt_j, tail = record_values(dt_cur, dt_rec, h, ring)
+                        w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
+                        gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+                        # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
+                        # the same whether or not the row folds (C . S_new expands to it).
+                        # dot_row: lane lr's row of S . C (per-lane partial dots reduced over the warp, or
+                        # a read copy's rows on tensor cores)
+                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
+                        rDots.fill(0.0)
+                        dot_row = Float32(0.0)
                         if cutlass.const_expr(read is None):
-                            self.fold_tile(mCheckpoint[slot64, head, None, None], sState, stage, sX, sRingX, sKeys, rBa,
-                                           dt_cur, x_cur, w_j, gamma, origin, h, p_warp)
-                        elif cutlass.const_expr(c.flush_tile):  # in place, then from the tile into both copies
-                            self.fold_tile(sState[None, None, stage], sState, stage, sX, sRingX, sKeys, rBa, dt_cur,
-                                           x_cur, w_j, gamma, origin, h, p_warp)
-                            self.store_folded_tile(sState, stage, mCheckpoint, copy, slot64, head, g, cw, sAmax)
-                    else:
+                            dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
+                        elif flush:
+                            if cutlass.const_expr(c.flush_tile):  # the checkpoint tiles are in the stage
+                                dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
+                            else:  # the dots come with the fold, from the checkpoint's rows
+                                self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, i, g, cw, stage,
+                                                             gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h,
+                                                             sAmax)
+                                dot_row = self.row_total(rDots)
+                        else:
+                            state_scale = Float32(1.0)
+                            if cutlass.const_expr(read.has_state_scale):
+                                state_scale = sMetaF[READ_STATE_SCALE, i, stage]
+                            if cutlass.const_expr(mma_reads):
+                                sScaleRows = None
+                                if cutlass.const_expr(read.scale_dtype is not None):
+                                    sScaleRows = cute.local_tile(sReadScale[None, None, stage],
+                                                                 (RW, read.scales_per_row), (i * CW + cw, 0))
+                                # C's fragments per head: held through the loop they would spill in the flush paths
+                                rB, factor = vector_b_fragments(read, sC[None, stage], rC)
+                                dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols),
+                                                                             (i * CW + cw, 0)),
+                                                       sScaleRows, rB, 1, state_scale)[0] * factor
+                            else:
+                                for r in cutlass.range_constexpr(RW):
+                                    rS = cute.make_rmem_tensor((vec,), Float32)
+                                    scale = smem_scale(read, sReadScale, stage, p_item + r, lane * vec, state_scale)
+                                    decode_slice(read, cute.local_tile(sRead[p_item + r, None, stage],
+                                                                       (read.per_lane(vec),), (lane,)), scale, rS)
+                                    for v in cutlass.range_constexpr(vec):
+                                        rDots[r] = rDots[r] + rS[v] * rC[v]
+                                dot_row = self.row_total(rDots)
+                        y_row = gamma * dot_row
+                        ring_term = dt_cur * sGroupDots[GROUP_DOTS - 1, warp - 1] * x_cur
                         if cutlass.const_expr(ring):
-                            # append this token's record (B and dt once per group / head)
-                            if cw == 0:
-                                if head % heads_per_group == 0:
-                                    rBraw = cute.make_rmem_tensor((vec,), act)
-                                    cute.autovec_copy(cute.local_tile(sKeys[0, None, stage], (vec,), (lane,)), rBraw)
-                                    cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
-                                                                             (vec,), (lane,)))
-                                if lane == 0:
-                                    mRingDt[slot64, pos_h, head] = dt_cur
-                    if lane < RW:
-                        y = y_row + ring_term
-                        if cutlass.const_expr(s.has_D):
-                            y = y + sMetaF[META_D, stage] * x_cur
-                        if cutlass.const_expr(s.has_z):
-                            z = sZ[p_warp + lane, stage].to(Float32)
-                            y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                        mOut[row, head, p_warp + lane] = y.to(act)
-                        if cutlass.const_expr(ring):
-                            if not flush:
-                                mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
+                            j_l = ((lane >> pos_shift) - origin + cap) % cap
+                            bc = cute.arch.shuffle_sync(w_j, j_l) * sGroupDots[lane, warp - 1]
+                            for p in cutlass.range_constexpr(cap):
+                                bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
+                                live_p = (p - origin + cap) % cap < h
+                                x_p = sRingX[p, p_item + lr, stage].to(Float32)
+                                ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
+                        if flush:
+                            # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
+                            # (next to a read copy without flush_tile: folded with the dots above)
+                            if cutlass.const_expr(read is None):
+                                self.fold_tile(mCheckpoint[slot64, head, None, None], sState, stage, sX, sRingX, sKeys,
+                                               rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp, i * P)
+                            elif cutlass.const_expr(c.flush_tile):  # in place, then from the tile into both copies
+                                self.fold_tile(cute.local_tile(sState[None, None, stage], (P, N), (i, 0)), sState, stage,
+                                               sX, sRingX, sKeys, rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp,
+                                               i * P)
+                                self.store_folded_tile(sState, stage, mCheckpoint, copy, slot64, head, i, g, cw, sAmax)
+                        else:
+                            if cutlass.const_expr(ring):
+                                # append this token's record (B and dt once per group / head)
+                                if cw == 0:
+                                    if head % heads_per_group == 0:
+                                        rBraw = cute.make_rmem_tensor((vec,), act)
+                                        cute.autovec_copy(cute.local_tile(sKeys[0, None, stage], (vec,), (lane,)), rBraw)
+                                        cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
+                                                                                 (vec,), (lane,)))
+                                    if lane == 0:
+                                        mRingDt[slot64, pos_h, head] = dt_cur
+                        if lane < RW:
+                            y = y_row + ring_term
+                            if cutlass.const_expr(s.has_D):
+                                y = y + sMetaF[META_D, i, stage] * x_cur
+                            if cutlass.const_expr(s.has_z):
+                                z = sZ[p_item + lane, stage].to(Float32)
+                                y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                            mOut[row, head, p_warp + lane] = y.to(act)
+                            if cutlass.const_expr(ring):
+                                if not flush:
+                                    mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
                 release_stage(empty, stage)
                 it = it + 1
-
 
     @cute.jit
     def row_total(self, rDots: cute.Tensor) -> Float32:
@@ -620,25 +661,27 @@ class Mamba2PipelinedDecode:
         return cute.arch.shuffle_sync(warp_reduce_many(rDots, n_rows), (lane % RW) << (5 - (n_rows.bit_length() - 1)))
 
     @cute.jit
-    def tile_dot(self, sState: cute.Tensor, stage: Int32, p_warp: Int32, rC: cute.Tensor, rDots: cute.Tensor) -> Float32:
-        """Lane r's row p_warp + r (mod the warp's rows) of the fp32 tile in ``stage``, dotted with C
+    def tile_dot(self, sState: cute.Tensor, stage: Int32, p_item: Int32, rC: cute.Tensor, rDots: cute.Tensor) -> Float32:
+        """Lane r's row p_item + r (mod the warp's rows) of the fp32 tiles in ``stage``, dotted with C
         (``rC`` the lane's slice), by per-lane partial dots (``rDots``) reduced over the warp."""
         RW = self.shape.headdim // self.consumer_warps
         vec = self.shape.dstate // 32
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(RW):
-            rS = load_slice(sState[p_warp + r, None, stage], lane, vec)
+            rS = load_slice(sState[p_item + r, None, stage], lane, vec)
             for v in cutlass.range_constexpr(vec):
                 rDots[r] = rDots[r] + rS[v] * rC[v]
         return self.row_total(rDots)
 
     @cute.jit
     def head_state_scale(self, amax: Float32, sAmax: cute.Tensor, stage: Int32, copy: ReadCopy, slot64: Int64,
-                         head: Int32, g: Int32, cw: Int32) -> Float32:
-        """nvfp4's state scale of the head from each consumer warp's ``amax``, reduced over group
-        ``g``'s warps at its named barrier; consumer warp 0 stores it."""
+                         head: Int32, i: Int32, g: Int32, cw: Int32) -> Float32:
+        """nvfp4's state scale of the head (the item's ``i``-th) from each consumer warp's ``amax``,
+        reduced over group ``g``'s warps at its named barrier (a slot per warp and head: a warp
+        may go on to the next head before the others have read this one's); consumer warp 0
+        stores it."""
         CW = self.consumer_warps
-        state_scale = warps_state_scale(amax, sAmax[None, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
+        state_scale = warps_state_scale(amax, sAmax[None, i, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
         if cw == 0:
             if cute.arch.lane_idx() == 0:
                 copy.mStateScale[slot64, head] = state_scale
@@ -647,10 +690,11 @@ class Mamba2PipelinedDecode:
     @cute.jit
     def fold_tile(self, mDst: cute.Tensor, sState: cute.Tensor, stage: Int32, sX: cute.Tensor, sRingX, sKeys: cute.Tensor,
                   rBa: cute.Tensor, dt_cur: Float32, x_cur: Float32, w_j: Float32, gamma: Float32, origin: Int32,
-                  h: Int32, p_warp: Int32):
-        """A flush of the warp's rows p_warp .. of the fp32 tile in ``stage`` into ``mDst`` (P, N):
-        the checkpoint, or the tile itself (each element is read before it is written, by the same
-        lane): on tensor cores a 16-row tile at a time (``fold_into_checkpoint``), or on CUDA cores."""
+                  h: Int32, p_warp: Int32, head_row: Int32):
+        """A flush of the warp's rows p_warp .. of a head (its tile from row ``head_row`` of the
+        stage's tiles in ``stage``) into ``mDst`` (P, N): the checkpoint, or the tile itself (each
+        element is read before it is written, by the same lane): on tensor cores a 16-row tile at
+        a time (``fold_into_checkpoint``), or on CUDA cores."""
         s, c = self.shape, self.config
         P, N, cap = s.headdim, s.dstate, s.capacity
         RW = P // self.consumer_warps
@@ -658,29 +702,30 @@ class Mamba2PipelinedDecode:
         ST = c.stages
         ring = s.window > 1
         lane = cute.arch.lane_idx()
+        p_item = head_row + p_warp  # the warp's first row in the stage
         if cutlass.const_expr(c.mma_fold):
             for mt in cutlass.range_constexpr(RW // 16):
-                first = p_warp + 16 * mt
+                first = p_item + 16 * mt
                 rCoef = fold_coefficients(sX, sRingX, stage, first, dt_cur, w_j, origin, h, cap, key_rows(s), ring)
-                fold_into_checkpoint(cute.local_tile(mDst, (16, N), (first // 16, 0)),
-                                     cute.make_tensor(sState.iterator + first * N,
-                                                      cute.make_layout((16, N, ST), stride=(N, 1, P * N))),
+                fold_into_checkpoint(cute.local_tile(mDst, (16, N), (p_warp // 16 + mt, 0)),
+                                     cute.make_tensor(sState.iterator + first * N, cute.make_layout(
+                                         (16, N, ST), stride=(N, 1, c.heads_per_item * P * N))),
                                      stage, rCoef, sKeys[None, None, stage], gamma, fold_cols(N), s.act_dtype.width <= 16)
         else:
             rAcc = cute.make_rmem_tensor(cute.make_layout((RW, vec), stride=(vec, 1)), Float32)
             for r in cutlass.range_constexpr(RW):
-                cute.autovec_copy(load_slice(sState[p_warp + r, None, stage], lane, vec), rAcc[r, None])
-            fold_rows(rAcc, 0, gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, stage, p_warp, lane % RW, cap,
+                cute.autovec_copy(load_slice(sState[p_item + r, None, stage], lane, vec), rAcc[r, None])
+            fold_rows(rAcc, 0, gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h, stage, p_item, lane % RW, cap,
                       ring)
             for r in cutlass.range_constexpr(RW):
                 cute.autovec_copy(rAcc[r, None], cute.local_tile(mDst[p_warp + r, None], (vec,), (lane,)))
 
     @cute.jit
     def store_folded_tile(self, sState: cute.Tensor, stage: Int32, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                          slot64: Int64, head: Int32, g: Int32, cw: Int32, sAmax):
+                          slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, sAmax):
         """Consumer warp ``cw`` of group ``g``, after ``fold_tile`` into the stage: its folded rows
-        into the checkpoint and the read copy (RTN), coalesced from the tile; nvfp4's state scale
-        first, reduced over the group's consumer warps."""
+        of the item's ``i``-th head into the checkpoint and the read copy (RTN), coalesced from the
+        tile; nvfp4's state scale first, reduced over the group's consumer warps."""
         s = self.shape
         copies = s.copies
         CW = self.consumer_warps
@@ -688,23 +733,25 @@ class Mamba2PipelinedDecode:
         vec = s.dstate // 32
         lane = cute.arch.lane_idx()
         p_warp = cw * RW
+        p_item = i * s.headdim + p_warp
         cute.arch.sync_warp()  # the fold's writes (fragment layout) before the lanes' row reads
         state_scale = Float32(1.0)
         if cutlass.const_expr(copies.whole_state):
             amax = Float32(0.0)
             for r in cutlass.range_constexpr(RW):
-                amax = max_nan(amax, lane_amax(load_slice(sState[p_warp + r, None, stage], lane, vec)))
-            state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, g, cw)
+                amax = max_nan(amax, lane_amax(load_slice(sState[p_item + r, None, stage], lane, vec)))
+            state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
         for r in cutlass.range_constexpr(RW):
-            store_copies(copies, load_slice(sState[p_warp + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
+            store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
                          copy.mScale, slot64, head, p_warp + r, state_scale, Uint32(0))
 
     @cute.jit
     def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                                slot64: Int64, head: Int32, g: Int32, cw: Int32, stage: Int32, gamma: Float32, own: Float32,
-                                rBa: cute.Tensor, sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32, h: Int32,
-                                sAmax):
+                                slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, stage: Int32, gamma: Float32,
+                                own: Float32, rBa: cute.Tensor, sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32,
+                                h: Int32, sAmax):
         """Consumer warp ``cw`` of group ``g``, a flushing item next to a read copy: its rows of the checkpoint
+        of the item's ``i``-th head
         (prefetched into L2 by the producer) a chunk at a time from global memory into registers,
         their dots with C into ``rDots``, folded (``fold_rows``) and stored into the checkpoint and
         the read copy (RTN). nvfp4's state scale needs the whole head first: one pass folds for
@@ -718,6 +765,7 @@ class Mamba2PipelinedDecode:
         chunk = min(RW, max(1, 32 // vec))  # rows held at once: 32 values a lane
         lane = cute.arch.lane_idx()
         p_warp = cw * RW
+        p_item = i * P + p_warp  # the warp's first row in the stage (its ring x)
         lr = lane % RW
         ring = s.window > 1
         passes = 2 if copies.whole_state else 1
@@ -734,7 +782,7 @@ class Mamba2PipelinedDecode:
                     for r in cutlass.range_constexpr(rows):
                         for v in cutlass.range_constexpr(vec):
                             rDots[first + r] = rDots[first + r] + rRows[r, v] * rC[v]
-                fold_rows(rRows, first, gamma, own, rBa, sKeys, sRingX, w_j, origin, h, stage, p_warp, lr, cap, ring)
+                fold_rows(rRows, first, gamma, own, rBa, sKeys, sRingX, w_j, origin, h, stage, p_item, lr, cap, ring)
                 if cutlass.const_expr(pass_ + 1 < passes):
                     amax = max_nan(amax, lane_amax(rRows))
                 else:
@@ -742,47 +790,56 @@ class Mamba2PipelinedDecode:
                         store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
-                state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, g, cw)
+                state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
 
     @cute.jit
-    def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head: Int32,
+    def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head0: Int32,
                               stage: Int32, sReadScale, sMetaF: cute.Tensor):
-        """Producer, a live item next to a read copy: with the tile (``with_box``, a non-flushing
-        item) the head's block scales and nvfp4 state scale by cp.async into the stage; else (a
-        flush) the head's checkpoint prefetched into L2 for the consumers' row loads."""
+        """Producer, a live item next to a read copy: with the tiles (``with_box``, a non-flushing
+        item) each head's block scales and nvfp4 state scale by cp.async into the stage; else (a
+        flush) the heads' checkpoint prefetched into L2 for the consumers' row loads."""
         s = self.shape
         read = s.copies.read
-        P, N = s.headdim, s.dstate
+        P, N, HI = s.headdim, s.dstate, self.config.heads_per_item
         if with_box:
-            copy_read_scales_async(read, copy, slot64, head, Int32(0), P, sReadScale, sMetaF, stage)
+            for i in cutlass.range_constexpr(HI):
+                sHeadScale = None
+                if cutlass.const_expr(read.scale_dtype is not None):
+                    sHeadScale = cute.local_tile(sReadScale, (P, read.scales_per_row, self.config.stages), (i, 0, 0))
+                copy_read_scales_async(read, copy, slot64, head0 + i, Int32(0), P, sHeadScale, sMetaF[None, i, None],
+                                       stage)
         elif cutlass.const_expr(not self.config.flush_tile):
             if cute.arch.lane_idx() == 0:
-                prefetch_l2(mCheckpoint[slot64, head, None, None], P * N * 4)
+                prefetch_l2(mCheckpoint[slot64, head0, None, None], HI * P * N * 4)
 
     @cute.jit
     def chunk_scalars(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor,
                       mPlan: Optional[cute.Tensor], token: Mamba2Token, rInt: cute.Tensor, rFloat: cute.Tensor):
-        """Lane u < prefetch: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) into
-        ``rFloat`` of item ``first + u stride`` (clamped to the last item; row-indexed loads)."""
+        """Lane u < prefetch: (slot, h, origin) into ``rInt`` and (raw dt, A, D, dt_bias) of each
+        head i into ``rFloat[None, i]`` of item ``first + u stride`` (clamped to the last item;
+        row-indexed loads)."""
         s = self.shape
+        HI = self.config.heads_per_item
         mDt, mA, mD, mDtBias = token.mDt, token.mA, token.mD, token.mDtBias
         item = cutlass.min(first + (cute.arch.lane_idx() % self.config.prefetch) * stride, total - 1)
-        row = item // s.nheads
-        head = item % s.nheads
+        row = item // (s.nheads // HI)
+        head0 = (item % (s.nheads // HI)) * HI
         rInt[0] = mSlot[row]
         rInt[1] = Int32(0)
         rInt[2] = Int32(0)
         if cutlass.const_expr(s.window > 1):
             rInt[1] = mPlan[row, 1]
             rInt[2] = mPlan[row, 2]
-        rFloat[0] = mDt[row, head].to(Float32)
-        rFloat[1] = mA[head]
-        rFloat[2] = Float32(0.0)
-        if cutlass.const_expr(s.has_D):
-            rFloat[2] = mD[head]
-        rFloat[3] = Float32(0.0)
-        if cutlass.const_expr(s.has_dt_bias):
-            rFloat[3] = mDtBias[head]
+        for i in cutlass.range_constexpr(HI):
+            head = head0 + i
+            rFloat[0, i] = mDt[row, head].to(Float32)
+            rFloat[1, i] = mA[head]
+            rFloat[2, i] = Float32(0.0)
+            if cutlass.const_expr(s.has_D):
+                rFloat[2, i] = mD[head]
+            rFloat[3, i] = Float32(0.0)
+            if cutlass.const_expr(s.has_dt_bias):
+                rFloat[3, i] = mDtBias[head]
 
 
 def compile_pipelined_decode(shape: Mamba2Shape, config: Mamba2PipeConfig, options: str):
@@ -802,22 +859,26 @@ def pipelined_space(shape: Mamba2Shape, sm_count: int, arch: str) -> List[Mamba2
     (multiples of the groups), the default's fold where the warps have its 16 rows, the target's
     producer chunk; next to a read copy each also with ``flush_tile`` (a tensor-core fold; measured
     on the H200, Nemotron-3-Super fp8, batch 256: flush 1268 against 2137 us, window mean 269
-    against 281 us, with 2 x 2 stages); [] where it serves nothing."""
+    against 281 us, with 2 x 2 stages), and items of several heads (``HEADS_PER_ITEM_CHOICES``:
+    the copy's small tiles, the group's work shared); [] where it serves nothing."""
     default = pipelined_config(shape, sm_count, arch)
     if default is None:
         return []
     configs = []
+    copy = shape.read_copy is not None
     # next to a read copy also stages with room for a flush's checkpoint tile (folded on tensor cores)
-    for flush_tile in (False, True) if shape.read_copy is not None else (False,):
-        for per_sm in (1, 2):
-            for groups in (1, 2):
-                for rows in ROWS_PER_WARP:
-                    for stages in PIPELINE_STAGE_CHOICES:
-                        config = Mamba2PipeConfig(stages, per_sm * sm_count, flush_tile or (default.mma_fold and rows == 16),
-                                                  default.prefetch, per_sm if per_sm > 1 and groups > 1 else 0, rows,
-                                                  groups, flush_tile)
-                        if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
-                            configs.append(config)
+    for flush_tile in (False, True) if copy else (False,):
+        for heads in HEADS_PER_ITEM_CHOICES if copy else (1,):
+            for per_sm in (1, 2):
+                for groups in (1, 2):
+                    for rows in ROWS_PER_WARP:
+                        for stages in PIPELINE_STAGE_CHOICES:
+                            config = Mamba2PipeConfig(stages, per_sm * sm_count,
+                                                      flush_tile or (default.mma_fold and rows == 16), default.prefetch,
+                                                      per_sm if per_sm > 1 and groups > 1 else 0, rows, groups,
+                                                      flush_tile, heads)
+                            if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
+                                configs.append(config)
     return configs
 
 

@@ -59,7 +59,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}], or for the pipelined decode
-    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_cudadots][_cudaflush][_ctas{M}]:
+    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_ctas{M}]:
     a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"
@@ -67,6 +67,7 @@ def config_label(config) -> str:
             label += f"_rows{config.rows_per_item}_warps{config.consumer_warps()}"
             label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
             label += f"_groups{config.consumer_groups}" if config.consumer_groups != 1 else ""
+            label += f"_heads{config.heads_per_item}" if config.heads_per_item != 1 else ""
             label += "" if config.mma_dots else "_cudadots"
             label += "" if config.mma_flush else "_cudaflush"
             return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
@@ -75,6 +76,8 @@ def config_label(config) -> str:
         label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
         if (config.consumer_groups, config.rows_per_warp) != (1, 16):
             label += f"_groups{config.consumer_groups}_rpw{config.rows_per_warp}"
+        label += f"_heads{config.heads_per_item}" if config.heads_per_item != 1 else ""
+        label += "_flushtile" if config.flush_tile else ""
         return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
     label = f"rows{config.rows_per_cta}_warps{config.num_warps}"
     if config.min_ctas_per_sm:

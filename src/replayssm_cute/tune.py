@@ -50,7 +50,8 @@ Each batch bucket is tuned on the kernel decode / verify runs there: the tile ke
 on sm_90a Mamba-2 standard decode on an fp32 checkpoint, alone or next to an fp16 read copy, and GDN
 ReplaySSM decode on the plain fp32 cache from batch 8 and next to a read copy from the 32 bucket;
 anywhere under REPLAYSSM_CUTE_PIPELINED=1) their space: stages, CTAs per SM, rows per item /
-consumer warp and Mamba-2's consumer groups (``pipelined_space``). A tuned
+consumer warp, Mamba-2's consumer groups and, next to a read copy, its heads per item
+(``pipelined_space``). A tuned
 entry replaces only a default of its own class, so run the tuner under REPLAYSSM_CUTE_PIPELINED=0 to
 tune the tile kernels where the pipeline is the default.
 """

@@ -198,6 +198,23 @@ def test_pipelined_small_grid(window, rows_per_warp, groups):
                                    consumer_groups=groups))
 
 
+@pytest.mark.parametrize("rows_per_warp", [16, 8])
+@pytest.mark.parametrize("window", [1, 16])
+def test_pipelined_items_of_several_value_heads(window, rows_per_warp):
+    """Items of all three value heads of a key head (``heads_per_item`` 3: not a power of two) on
+    an 8-CTA grid: one TMA box of 192 (odd) or 96 (narrow) fp32 rows a stage, the key head's ring
+    dots once per item and each head's rows, gates and records from its place in the stage, bf16
+    and fp32 activations, poisoned rings included; a producer chunk of one item (three heads)."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    _run_case("odd", 37, torch.bfloat16, window, seed=window + 2, poison_ring=window > 1,
+              config=GDNPipeConfig(stages=2, ctas=8, rows_per_item=64, rows_per_warp=rows_per_warp, prefetch=1,
+                                   heads_per_item=3))
+    _run_case("narrow", 9, torch.float32, window, seed=window + 3,
+              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=32, rows_per_warp=rows_per_warp, prefetch=1,
+                                   heads_per_item=3))
+
+
 @pytest.mark.xdist_group("gpu_memory")
 def test_decode_batch_512_pad_zero(decode_kernel):
     _run_case("qwen3.5-4b", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)

@@ -216,44 +216,54 @@ def test_light_read_copies_at_large_batch_configs(layer, ckpt, read, rows, warps
                         GDNConfig(rows, warps, ctas))
 
 
-PIPELINED_READ_CONFIGS = [  # stages, ctas, consumer groups, rows per warp, flush_tile, mma_fold
-    (2, 3, 1, 16, False, False), (6, 8, 1, 16, False, False), (4, 5, 2, 32, False, False), (6, 4, 3, 32, False, False),
-    (2, 3, 1, 16, True, True), (4, 5, 2, 32, True, True), (4, 4, 2, 32, True, False)]
+PIPELINED_READ_CONFIGS = [  # stages, ctas, consumer groups, rows per warp, flush_tile, mma_fold, heads per item
+    (2, 3, 1, 16, False, False, 1), (6, 8, 1, 16, False, False, 1), (4, 5, 2, 32, False, False, 1),
+    (6, 4, 3, 32, False, False, 1), (2, 3, 1, 16, True, True, 1), (4, 5, 2, 32, True, True, 1),
+    (4, 4, 2, 32, True, False, 1),
+    (2, 3, 1, 16, False, False, 2), (2, 5, 2, 32, False, False, 4), (2, 3, 1, 16, True, True, 2),
+    (2, 4, 2, 32, True, False, 2)]
 
 
 @pytest.mark.parametrize("read", ["fp16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("stages, ctas, groups, rows, flush_tile, mma_fold", PIPELINED_READ_CONFIGS)
-def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_tile, mma_fold):
+@pytest.mark.parametrize("stages, ctas, groups, rows, flush_tile, mma_fold, heads", PIPELINED_READ_CONFIGS)
+def test_mamba2_pipelined_read_copies(read, stages, ctas, groups, rows, flush_tile, mma_fold, heads):
     """The pipelined decode next to a read copy on small grids: every CTA reuses its stages many
     times, with flushing items and non-flushing ones in the same ring (a flush's stage holds no
     tile and its rows fold in registers from global memory, or with flush_tile the fp32 checkpoint
     tile where the others hold the read copy's, folded on tensor or CUDA cores), with one or several consumer groups (16- and 32-row warps, each group
-    its own stages); teacher-forced as above (the read copy a flush writes is quant's RTN of the
-    checkpoint)."""
+    its own stages), items of one, two or four heads of a group (nvfp4: a state scale per head);
+    teacher-forced as above (the read copy a flush writes is quant's RTN of the checkpoint)."""
     from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
 
     config = Mamba2PipeConfig(stages, ctas, mma_fold=mma_fold, rows_per_warp=rows, consumer_groups=groups,
-                              flush_tile=flush_tile)
+                              flush_tile=flush_tile, heads_per_item=heads)
     _teacher_forced(_Mamba2Layer, lambda dev: _mamba2_cache(dev, 10, 4, "fp32", read), 4, "fp32", read, config)
 
 
 GDN_PIPELINED_READ_CONFIGS = [  # stages, ctas, rows per item, rows per warp, consumer groups
     (2, 3, 128, 16, 1), (3, 4, 128, 8, 1), (3, 5, 64, 16, 1), (4, 2, 32, 8, 1), (4, 3, 64, 16, 2), (2, 2, 128, 16, 2)]
 GDN_PIPELINED_READ_CASES = [  # an nvfp4 copy is written a whole head (V rows) at a time
-    (read, corrections) + config + (True, True)
+    (read, corrections) + config + (True, True, 1)
     for read, corrections in [("fp16", "rederive"), ("fp8", "rederive"), ("nvfp4", "rederive"), ("fp8", "fold"),
                               (None, "rederive")]
     for config in GDN_PIPELINED_READ_CONFIGS if read != "nvfp4" or config[2] == V] + [
     # 16-row warps with their read-copy rows on CUDA cores (the fp16 / fp8 default), the others on tensor cores
-    (read, "rederive", 2, 3, 128, 16, 1, False, True) for read in ("fp16", "fp8", "nvfp4")] + [
+    (read, "rederive", 2, 3, 128, 16, 1, False, True, 1) for read in ("fp16", "fp8", "nvfp4")] + [
     # 16-row warps whose flushes re-derive and fold on CUDA cores (the tensor-core flush's alternative)
-    (read, corrections, stages, 4, 128, 16, groups, True, False)
-    for read, corrections, stages, groups in [("fp16", "rederive", 3, 1), ("fp8", "fold", 4, 2), ("nvfp4", "rederive", 3, 1)]]
+    (read, corrections, stages, 4, 128, 16, groups, True, False, 1)
+    for read, corrections, stages, groups in [("fp16", "rederive", 3, 1), ("fp8", "fold", 4, 2), ("nvfp4", "rederive", 3, 1)]] + [
+    # items of both value heads of a key head: rows on tensor or CUDA cores, flushes on tensor or CUDA cores
+    (read, corrections, stages, ctas, 128, rows_per_warp, groups, mma_dots, mma_flush, 2)
+    for read, corrections, stages, ctas, rows_per_warp, groups, mma_dots, mma_flush in [
+        ("fp16", "rederive", 2, 3, 16, 1, False, True), ("fp8", "rederive", 2, 4, 16, 1, False, True),
+        ("nvfp4", "rederive", 2, 3, 16, 1, True, True), ("fp8", "fold", 2, 2, 16, 2, True, True),
+        ("nvfp4", "rederive", 2, 2, 16, 1, True, False), ("fp16", "rederive", 2, 3, 8, 1, True, True)]]
 
 
-@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush",
+@pytest.mark.parametrize("read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush, heads",
                          GDN_PIPELINED_READ_CASES)
-def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush):
+def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_per_warp, groups, mma_dots, mma_flush,
+                                   heads):
     """The pipelined GDN decode next to a read copy (or re-deriving on the fp32 checkpoint) on
     small grids: every CTA reuses its stages many times, with flushing items (no box: the
     checkpoint rows from global memory, re-derived corrections from the staged v and beta and the
@@ -261,12 +271,13 @@ def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_p
     ring, whole and partial heads, one or two consumer groups (each its own stages, named barrier
     and re-derivation scratch; nvfp4's state scale reduced over one group's warps), the copy's
     rows dotted on tensor cores (16-row warps, ``mma_dots``) or CUDA cores, a flush's S_ckpt k_p
-    and fold on tensor cores (16-row warps next to a read copy, ``mma_flush``) or CUDA cores;
-    teacher-forced as above."""
+    and fold on tensor cores (16-row warps next to a read copy, ``mma_flush``) or CUDA cores, items
+    of one value head or both of a key head (each head's scales, state scale, gates, v, beta and
+    coupling from its place in the stage, the key head's ring dots once); teacher-forced as above."""
     from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
 
-    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, consumer_groups=groups, mma_dots=mma_dots,
-                           mma_flush=mma_flush)
+    config = GDNPipeConfig(stages, ctas, rows, rows_per_warp, prefetch=4 // heads, consumer_groups=groups,
+                           mma_dots=mma_dots, mma_flush=mma_flush, heads_per_item=heads)
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, corrections), 4, "fp32", read, config)
 
 

@@ -154,6 +154,22 @@ def test_pipelined_small_grid(mma_fold, groups, window):
     _run_case("super", 9, torch.float32, window, with_z=True, seed=window + 1, config=config)
 
 
+@pytest.mark.parametrize("heads, groups, rows, mma_fold", [(2, 1, 16, True), (4, 2, 32, False)])
+@pytest.mark.parametrize("window", [1, 16])
+def test_pipelined_items_of_several_heads(heads, groups, rows, mma_fold, window):
+    """The pipelined decode with items of 2 or 4 heads of a group (one TMA box of their tiles, the
+    group's B . C computed once for them) on an 8-CTA grid of 2 stages: heads at every place in an
+    item, poisoned rings, the fold on tensor and on CUDA cores, one and two consumer groups."""
+    from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+
+    config = Mamba2PipeConfig(stages=2, ctas=8, mma_fold=mma_fold, consumer_groups=groups, rows_per_warp=rows,
+                              heads_per_item=heads)
+    _run_case("odd", 37, torch.bfloat16, window, seed=window + heads, poison_ring=window > 1, config=config)
+    two = Mamba2PipeConfig(stages=2, ctas=8, mma_fold=mma_fold, consumer_groups=groups, rows_per_warp=rows,
+                           heads_per_item=2)  # four 64-row fp32 tiles a stage would not fit twice
+    _run_case("super", 9, torch.float32, window, with_z=True, seed=window + 1, config=two)
+
+
 @pytest.mark.xdist_group("gpu_memory")
 def test_decode_batch_512_pad_zero(decode_kernel):
     _run_case("super", 512, torch.bfloat16, 16, pad_slot_id=0, windows=3)

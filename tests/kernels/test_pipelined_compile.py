@@ -12,7 +12,7 @@ from replayssm_cute.kernels.common import SMEM_PER_SM
 from replayssm_cute.kernels.gdn import pipelined as gdn_pipe
 from replayssm_cute.kernels.gdn.config import GDNShape
 from replayssm_cute.kernels.mamba2.config import Mamba2Shape
-from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config
+from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig, pipelined_config, pipelined_space
 from replayssm_cute.layers.common import PIPELINED_ENV
 from replayssm_cute.precompile import config_label
 
@@ -59,13 +59,40 @@ def test_read_copies_fold_in_registers_with_smaller_stages(read):
     assert config.stages > pipelined_config(SUPER, 132, "sm_90a").stages
     assert "do not fit" in dataclasses.replace(config, stages=config.stages + 2).check(shape)
     tile = {"fp16": 64 * 256, "fp8": 64 * 128 + 64 * 4, "nvfp4": 64 * 64 + 64 * 8}[read]
-    assert Mamba2PipeConfig.tile_bytes(shape) - tile in (0, 16)  # + the scales' alignment slack
-    assert Mamba2PipeConfig.tile_bytes(SUPER) == 64 * 128 * 4
+    assert Mamba2PipeConfig().tile_bytes(shape) - tile in (0, 16)  # + the scales' alignment slack
+    assert Mamba2PipeConfig().tile_bytes(SUPER) == 64 * 128 * 4
     bad = [(dict(window=1, capacity=1), "needs a ring")]
     if read == "nvfp4":
         bad.append((dict(dstate=96), "nvfp4 needs K a multiple of 32 with 2, 4 or 8"))
     for fields, words in bad:
         assert words in Mamba2PipeConfig(4, 132, mma_fold=False).check(Mamba2Shape(**{**shape.__dict__, **fields}))
+
+
+def test_items_of_several_heads_of_a_group():
+    """``heads_per_item`` consecutive heads of one group per item: a divisor of the heads per group
+    whose tiles make one TMA box (at most 256 rows). A stage holds every head's tile, ring x and dt,
+    x, z and scalars, and the group's B, C and ring B once; the tuner tries 1, 2 and 4 next to a
+    read copy only (an fp32 tile already fills a stage)."""
+    fp8 = Mamba2Shape(**{**SUPER.__dict__, "read_copy": "fp8"})
+    one = Mamba2PipeConfig(2, 264, mma_fold=False, min_ctas_per_sm=2, rows_per_warp=32, consumer_groups=2)
+    four = dataclasses.replace(one, heads_per_item=4)
+    assert one.check(fp8) is None and four.check(fp8) is None
+    per_head_tile = 64 * 128 + 64 * 4  # E4M3 rows and their block scales
+    per_head_rest = 16 * 64 * 2 + 2 * 64 * 2 + 32 * 4 + 8 * 4  # ring x, x and z (bf16), ring dt, scalars
+    assert four.tile_bytes(fp8) - 4 * per_head_tile in (0, 16)
+    assert four.stage_bytes(fp8) - one.stage_bytes(fp8) - 3 * (per_head_tile + per_head_rest) in (-16, 0, 16)
+    assert "heads_per_item 3: expected a divisor of the heads per group (16)" in \
+        dataclasses.replace(one, heads_per_item=3).check(fp8)
+    assert "one TMA box holds (256 rows)" in dataclasses.replace(one, heads_per_item=8).check(fp8)
+    assert "heads_per_item 0" in dataclasses.replace(one, heads_per_item=0).check(fp8)
+    assert four.key() != one.key()
+    assert config_label(four).endswith("_groups2_rpw32_heads4_ctas2") and "_heads" not in config_label(one)
+    assert config_label(dataclasses.replace(one, flush_tile=True)).endswith("_flushtile_ctas2")
+    space = pipelined_space(fp8, 132, "sm_90a")
+    assert {c.heads_per_item for c in space} == {1, 2, 4}
+    assert all(c.check(fp8) is None for c in space)
+    assert {c.heads_per_item for c in pipelined_space(SUPER, 132, "sm_90a")} == {1}
+    assert pipelined_config(fp8, 132, "sm_90a").heads_per_item == 1  # a default only once measured
 
 
 def test_read_copy_default_caps_registers_for_two_ctas_only_up_to_64_row_heads():
@@ -149,14 +176,21 @@ def test_gdn_config_takes_fp32_checkpoints_with_or_without_read_copies():
         shape = GDNShape(**{**QWEN.__dict__, **fields})
         assert words in gdn_pipe.GDNPipeConfig(4, 132, 64).check(shape), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta, the records' coupling
-    # and, for the tensor-core flush only, the ring keys' row padding
+    # a stage holds the copy's rows, half the fp32 rows' bytes, plus v, beta and for the tensor-core
+    # flush only the ring keys' row padding; outside the stages the records' coupling (a group's)
+    # and, for rows dotted on tensor cores, two buffers of k and q as every lane's B fragments (8
+    # k-steps of 16, four words a lane each)
     config = gdn_pipe.GDNPipeConfig(4, 132, 128)
     padding = 16 * gdn_pipe.RING_KEY_PAD * fp16.act_dtype.width // 8
     assert config.ring_key_pad(QWEN) == 0 and config.ring_key_pad(fp16) == gdn_pipe.RING_KEY_PAD
     assert dataclasses.replace(config, mma_flush=False).ring_key_pad(fp16) == 0
-    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + 16 * 16 * 4 + padding
-    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
+    assert config.tensor_core_reads(fp16) and not config.tensor_core_reads(QWEN)
+    assert config.stage_bytes(fp16) - config.stage_bytes(QWEN) == -128 * 128 * 2 + 16 * 128 * 2 + 32 * 4 + padding
+    cuda_dots = dataclasses.replace(config, mma_dots=False)
+    assert not cuda_dots.tensor_core_reads(fp16) and config.stage_bytes(fp16) == cuda_dots.stage_bytes(fp16)
+    assert config.smem_bytes(fp16) - cuda_dots.smem_bytes(fp16) == 2 * 8 * 32 * 4 * 4 + 16
+    one_head = gdn_pipe.pipelined_config(GDNShape(**{**fp16.__dict__, "num_v_heads": 48}), 132, "sm_90a")  # 3 a key head
+    assert one_head.heads_per_item == 1 and one_head.stages > gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").stages
     assert "rows_per_item 48" in gdn_pipe.GDNPipeConfig(4, 132, 48).check(QWEN)
     assert "rows_per_warp 4" in gdn_pipe.GDNPipeConfig(4, 132, 64, 4).check(QWEN)
     assert "rows_per_item 24" in gdn_pipe.GDNPipeConfig(4, 132, 24, 16).check(QWEN)
@@ -183,9 +217,11 @@ def test_gdn_consumer_groups_and_register_cap_checks():
                           (dict(min_ctas_per_sm=5), "min_ctas_per_sm 5"), (dict(stages=3, min_ctas_per_sm=2), "do not fit")]:
         assert words in dataclasses.replace(base, **fields).check(QWEN), fields
     fp16 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp16", "keep_v_beta": True, "rederive": True})
-    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each)
-    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4
-    assert grouped.smem_bytes(QWEN) == base.smem_bytes(QWEN)
+    # each group's warps keep their own S_ckpt k_p and re-derived u (cap x rows fp32 each), every
+    # consumer warp its head's weighted ring dots (2 x cap fp32), each group the records' coupling
+    # (cap x cap fp32) and two buffers of B fragments (8 of 32 lanes x 16 bytes)
+    assert grouped.smem_bytes(fp16) - base.smem_bytes(fp16) == 2 * 16 * 64 * 4 + 4 * 2 * 16 * 4 + 16 * 16 * 4 + 2 * 8 * 512
+    assert grouped.smem_bytes(QWEN) - base.smem_bytes(QWEN) == 4 * 2 * 16 * 4
     for shape in (QWEN, fp16):
         space = gdn_pipe.pipelined_space(shape, 132, "sm_90a")
         grouped_space = [c for c in space if c.consumer_groups == 2]
@@ -221,8 +257,53 @@ def test_gdn_tensor_core_flush_where_its_layout_fits():
     cuda_flush = dataclasses.replace(config, mma_flush=False)
     assert config.smem_bytes(folded) - cuda_flush.smem_bytes(folded) == per_scratch + padding
     assert config.smem_bytes(fp16) - cuda_flush.smem_bytes(fp16) == padding
-    assert gdn_pipe.pipelined_config(shapes["fp8"], 132, "sm_90a").stages == 2
-    assert gdn_pipe.pipelined_config(fp16, 132, "sm_90a").stages > 2
+    one_head = {read: GDNShape(**{**shape.__dict__, "num_v_heads": 48}) for read, shape in shapes.items()}
+    assert gdn_pipe.pipelined_config(one_head["fp8"], 132, "sm_90a").stages == 2
+    assert gdn_pipe.pipelined_config(one_head["fp16"], 132, "sm_90a").stages > 2
+
+
+def test_gdn_items_of_several_value_heads_of_a_key_head():
+    """``heads_per_item`` consecutive value heads of one key head per item: whole heads, a divisor
+    of the value heads per key head (4 on Qwen3.5-122B), one TMA box (at most 256 rows), a producer
+    chunk of at most 4 heads (it holds their v twice). A stage holds each head's rows, u, v, gates,
+    beta and coupling, the key head's keys, k, q and ring dots once; the tuner tries them next to a
+    read copy only (two fp32 heads fill a stage); a read copy's default takes two heads in two
+    stages where the shape lets it (measured), one head where the key head's value heads are odd."""
+    fp8 = GDNShape(**{**QWEN.__dict__, "read_copy": "fp8", "keep_v_beta": True, "rederive": True})
+    one = gdn_pipe.GDNPipeConfig(2, 132, 128, prefetch=2)
+    two = dataclasses.replace(one, heads_per_item=2)
+    assert one.check(fp8) is None and two.check(fp8) is None and two.key() != one.key()
+    entry, R, cap = fp8.copies.entry, 128, 16
+    per_head = (R * entry.row_bytes + entry.scale_smem_bytes(R)  # the copy's rows and block scales
+                + cap * R * 2 + cap * R * 2 + 32 * 4  # ring u, v, beta
+                + R * 4 + 32 * 4 + gdn_pipe.META * 4)  # this token's v, ring g, the head's scalars
+    assert two.stage_bytes(fp8) - one.stage_bytes(fp8) - per_head in (-16, 0, 16)  # the scales' alignment
+    # and outside the stages each head's coupling of the records
+    assert two.smem_bytes(fp8) - one.smem_bytes(fp8) == 2 * (two.stage_bytes(fp8) - one.stage_bytes(fp8)) + cap * cap * 4
+    for fields, words in [(dict(heads_per_item=3), "expected a divisor of the value heads per key head (4)"),
+                          (dict(heads_per_item=0), "heads_per_item 0"),
+                          (dict(heads_per_item=4), "one TMA box holds (256 rows)"),
+                          (dict(heads_per_item=2, rows_per_item=64), "whole heads (rows_per_item 128, not 64)"),
+                          (dict(heads_per_item=2, prefetch=4), "at most 4 heads' inputs a chunk")]:
+        assert words in dataclasses.replace(one, **fields).check(fp8), fields
+    assert config_label(two).endswith("_prefetch2_heads2") and "_heads" not in config_label(one)
+    for arch, prefetch in [("sm_90a", 2), ("sm_100a", 1)]:
+        space = gdn_pipe.pipelined_space(fp8, 132, arch)
+        assert {c.heads_per_item for c in space} == {1, 2}
+        assert all(c.check(fp8) is None for c in space)
+        assert {c.prefetch for c in space if c.heads_per_item == 2} == {prefetch}
+        assert len({config_label(c) for c in space}) == len(space)
+    assert {c.heads_per_item for c in gdn_pipe.pipelined_space(QWEN, 132, "sm_90a")} == {1}
+    for arch, prefetch in [("sm_90a", 2), ("sm_100a", 1)]:
+        default = gdn_pipe.pipelined_config(fp8, 132, arch)
+        assert (default.heads_per_item, default.stages, default.prefetch) == (2, 2, prefetch)
+        assert default in gdn_pipe.pipelined_space(fp8, 132, arch)
+    for read, mma_dots in [("fp16", False), ("fp8", False), ("nvfp4", True)]:
+        default = gdn_pipe.pipelined_config(GDNShape(**{**fp8.__dict__, "read_copy": read}), 132, "sm_90a")
+        assert (default.heads_per_item, default.mma_dots) == (2, mma_dots), read
+    odd = GDNShape(**{**fp8.__dict__, "num_v_heads": 48})  # 3 value heads a key head
+    assert gdn_pipe.pipelined_config(odd, 132, "sm_90a").heads_per_item == 1
+    assert gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").heads_per_item == 1  # two fp32 heads do not fit a stage
 
 
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
@@ -239,7 +320,7 @@ def test_producer_chunk_per_target(arch, prefetch):
 ])
 def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, forced, window, batch, pipelined):
     """GDN ReplaySSM decode defaults to the pipelined kernel on sm_90a (measured on the H200) from
-    batch 8 on the plain fp32 cache and from batch 32 next to a read copy; the conventional step,
+    batch 8, on the plain fp32 cache and next to a read copy; the conventional step,
     smaller batches and sm_100a / sm_103a keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1;
     =0 turns it off."""
     from replayssm_cute.layers.gdn import _decode_default
@@ -252,11 +333,10 @@ def test_gdn_default_is_the_pipeline_where_it_was_measured(monkeypatch, arch, fo
     shape = GDNShape(**{**QWEN.__dict__, "window": window, "capacity": window})
     config = _decode_default(shape, batch)
     assert isinstance(config, gdn_pipe.GDNPipeConfig) == pipelined, config
-    # a read copy (v and beta kept, re-derived): from batch 32 by default
+    # next to a read copy (v and beta kept, re-derived) the same
     copy = GDNShape(**{**shape.__dict__, "read_copy": "fp8", "keep_v_beta": True, "rederive": window > 1})
-    copy_pipelined = forced == "1" or (forced is None and arch == "sm_90a" and batch >= 32)
     if window > 1:
-        assert isinstance(_decode_default(copy, batch), gdn_pipe.GDNPipeConfig) == copy_pipelined, forced
+        assert isinstance(_decode_default(copy, batch), gdn_pipe.GDNPipeConfig) == pipelined, forced
 
 
 @pytest.mark.parametrize("arch, forced, read, pipelined", [
@@ -332,3 +412,45 @@ def test_pipelined_kernels_build_for_every_arch(build):
             # re-deriving flush a few bytes (at most 8 on sm_90a, the whole-head kernel held to 168 registers)
             continue
         assert all(r[1] == 0 and r[2] == 0 for r in spills), f"{label}: spills {spills}"
+
+
+_SEVERAL_HEADS_BUILD = """
+import sys
+from replayssm_cute import precompile
+from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+from replayssm_cute.kernels.gdn.config import GDNShape
+from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+from replayssm_cute.kernels.mamba2.pipelined import Mamba2PipeConfig
+super_ = dict(nheads=128, headdim=64, dstate=128, ngroups=8, window=16, capacity=16)
+for name, read, config in [
+        ("fp32", None, Mamba2PipeConfig(2, 132, heads_per_item=2)),
+        ("nvfp4", "nvfp4", Mamba2PipeConfig(4, 132, mma_fold=False, rows_per_warp=32, consumer_groups=2,
+                                              heads_per_item=2)),
+        ("fp8", "fp8", Mamba2PipeConfig(2, 132, mma_fold=True, flush_tile=True, heads_per_item=2))]:
+    precompile.dump_ptx("mamba2", Mamba2Shape(**super_, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
+qwen = dict(num_v_heads=64, head_v_dim=128, head_k_dim=128, num_k_heads=16, window=16, capacity=16,
+            keep_v_beta=True, rederive=True)
+for name, read, config in [
+        ("gdn_fp8", "fp8", GDNPipeConfig(2, 132, 128, prefetch=2, mma_dots=False, heads_per_item=2)),
+        ("gdn_nvfp4", "nvfp4", GDNPipeConfig(2, 132, 128, prefetch=2, heads_per_item=2))]:
+    precompile.dump_ptx("gdn", GDNShape(**qwen, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_items_of_several_heads_build_for_every_arch(arch, tmp_path):
+    """Items of two heads (Nemotron-3-Super): the fp32 checkpoint's (its fold on tensor cores, each
+    head's rows from its place in the stage), next to an nvfp4 copy (a state scale per head, the
+    rows on tensor cores) and with an fp8 copy's flush tile; and of two value heads of a key head
+    (Qwen3.5-122B, re-deriving flushes on tensor cores) next to an fp8 copy (rows on CUDA cores) and
+    an nvfp4 one (rows on tensor cores); for each target: one TMA box per item, the copies' MMAs."""
+    env = _env(tmp_path / "cache")
+    env["CUTE_DSL_ARCH"] = arch
+    proc = subprocess.run([sys.executable, "-c", _SEVERAL_HEADS_BUILD, str(tmp_path)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
+    for name in ("fp32", "nvfp4", "fp8", "gdn_fp8", "gdn_nvfp4"):
+        text = (tmp_path / f"{name}.ptx").read_text()
+        assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
+        assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text) == (name != "nvfp4"), name
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (name not in ("fp32", "gdn_fp8")), name

@@ -211,7 +211,7 @@ def test_mma_row_dots_columns_hold_each_block_of_each_vector_once(fmt_name, K, v
 
 @pytest.mark.parametrize("fmt_name, K", [("fp16", 64), ("fp16", 128), ("fp16", 256), ("fp8", 64), ("fp8", 128),
                                         ("fp8", 256), ("nvfp4", 128), ("nvfp4", 256)])
-def test_lane_b_fragments_gather_each_piece_from_the_lane_that_holds_it(fmt_name, K):
+def test_b_fragments_gather_each_piece_from_the_lane_that_holds_it(fmt_name, K):
     """With each lane holding K / 32 consecutive values, lane 4 g + t's B values of k-step s
     (its piece's values 2 half, 2 half + 1) are fp16 pair ``pair`` of lane a t + b."""
     from replayssm_cute.kernels.state_io import CopyFormat, _b_source, _piece_col, mma_dots_error

@@ -33,8 +33,8 @@ def test_demo_cpu_path(tmp_path):
     assert "launch configs decode would pick on a GPU at batch 8 (bf16 activations):" in r.stdout, log
     # The pipelined decode on sm_90a's 132 SMs: two CTAs per SM, as many stages as fit in half an SM
     # (the conventional step folds on CUDA cores).
-    rest = ("prefetch=4, min_ctas_per_sm=0, rows_per_warp=16, consumer_groups=1, flush_tile=False): analytical "
-            "default (no GPU")
+    rest = ("prefetch=4, min_ctas_per_sm=0, rows_per_warp=16, consumer_groups=1, flush_tile=False, heads_per_item=1): "
+            "analytical default (no GPU")
     for config in (f"mamba2_decode (stages=3, ctas=264, mma_fold=False, {rest}",
                    f"mamba2_decode (stages=2, ctas=264, mma_fold=True, {rest}"):
         assert r.stdout.count(config) == 1, log  # the conventional step, then ReplaySSM
@@ -65,7 +65,7 @@ def test_demo_cpu_path_gdn(tmp_path):
     # most stages that fit
     for config in ("gdn_decode (rows_per_cta=8, num_warps=2, min_ctas_per_sm=0): analytical default",
                    "gdn_decode (stages=3, ctas=132, rows_per_item=128, rows_per_warp=16, prefetch=4, consumer_groups=1, "
-                   "min_ctas_per_sm=0, mma_dots=True, mma_flush=True): analytical default"):
+                   "min_ctas_per_sm=0, mma_dots=True, mma_flush=True, heads_per_item=1): analytical default"):
         assert r.stdout.count(config) == 1, log
     assert "summary: all checks passed" in r.stdout, log
     assert "FAILED" not in r.stdout, log

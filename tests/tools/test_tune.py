@@ -986,3 +986,27 @@ def test_pipelined_entries_parse_and_replace_only_a_pipelined_default(monkeypatc
     launch.reload()
     assert not isinstance(launch.picked_config(kernel, shape, 64)[0], Mamba2PipeConfig)
     assert launch.picked_config(kernel, shape, 256)[1]  # the tile entry serves the tile kernel
+
+
+def test_entry_without_a_later_field_keeps_the_value_it_was_tuned_with(monkeypatch):
+    """A tuned entry written before a config field existed (GDN's pipelined entries before
+    heads_per_item and mma_flush) takes that field's class default, the behaviour it was timed
+    with, not the analytical default's value (a read copy's default takes two heads an item)."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+    from replayssm_cute.layers.common import PIPELINED_ENV
+
+    model = get_model("qwen3.5-122b")
+    cache = GDNCache(1, model.nheads, model.headdim, model.dstate, model.ngroups, window=16, read_copy="fp8",
+                     device="meta")
+    shape = GDNLayer.shape(cache, GDN_STATIC)
+    monkeypatch.delenv(PIPELINED_ENV, raising=False)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    kernel = GDNLayer.decode_kernel
+    default, was_tuned = launch.picked_config(kernel, shape, 64)
+    assert default.heads_per_item == 2 and default.prefetch == 2
+    old = {"stages": 2, "ctas": 132, "rows_per_item": 128, "rows_per_warp": 16, "prefetch": 4, "consumer_groups": 1,
+           "min_ctas_per_sm": 0, "mma_dots": False}  # as the shipped file held it before heads_per_item
+    key = tuning.tune_key(kernel.name, shape, 0, PLATFORM)
+    _write_user([{**key.fields(64), "config": old, "time_us": 80.0}])
+    config, was_tuned = launch.picked_config(kernel, shape, 64)
+    assert was_tuned and config == GDNPipeConfig(**old) and config.heads_per_item == 1 and config.mma_flush

@@ -113,7 +113,10 @@ def _tuned_or_default(default, kernel: Kernel, shape, num_drafts: int, bucket: i
     if fields is None:
         return default
     try:
-        tuned = dataclasses.replace(default, **fields)
+        # a field the entry lacks (one added to the class after it was tuned) takes the class's
+        # default, not the analytical default's: that may be a value the entry's other fields
+        # cannot take (two heads an item with a chunk of 4)
+        tuned = type(default)(**fields)
     except TypeError:  # a field the default's config class does not have: a stale file, or the other
         # decode kernel's entry (a tile one where the pipelined kernel is the default, or the reverse)
         return default
