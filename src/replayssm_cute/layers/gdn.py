@@ -19,18 +19,23 @@ from ..runtime.launch import Kernel, cute_dtype
 from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
                      whole_head)
 
-# The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding from batch 8 on the plain fp32
-# cache and next to a read copy (v / beta records, re-derived corrections), where it was measured level with or
-# faster than the tile kernels (sweeps/results/README.md: "GDN re-deriving flush", "GDN read copies on the
-# pipeline by default", "GDN items of two value heads by default"); the conventional step, smaller batches and
-# an fp32 read with v / beta records keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1.
+# The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
+# batch 8 and next to a read copy (v / beta records, re-derived corrections) from batch 32, where it was measured
+# level with or faster than the tile kernels (sweeps/results/README.md: "GDN re-deriving flush", "GDN read
+# copies on the pipeline by default"); the conventional step, smaller batches and an fp32 read with v / beta
+# records keep the tile kernels unless REPLAYSSM_CUTE_PIPELINED=1. Read copies at batch 8 / 16 were faster on the
+# pipeline too on Qwen3.5-122B ("GDN items of two value heads by default"), but stay on the tiles until every
+# registry GDN shape is tuned there.
 PIPELINED_MIN_BATCH = 8
+PIPELINED_READ_COPY_MIN_BATCH = 32
 
 
 def pipelined_by_default(shape, bucket: int) -> bool:
-    if shape.window == 1 or bucket < PIPELINED_MIN_BATCH:
+    if shape.window == 1:
         return False
-    return shape.read_copy is not None or not shape.keep_v_beta
+    if shape.read_copy is not None:
+        return bucket >= PIPELINED_READ_COPY_MIN_BATCH
+    return bucket >= PIPELINED_MIN_BATCH and not shape.keep_v_beta
 
 
 class GDNInputs(NamedTuple):
