@@ -587,6 +587,12 @@ class GDNPipeConfig:
                 or smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm))
 
 
+def item_chunk(arch: str, heads_per_item: int) -> int:
+    """The producer's chunk of items of ``heads_per_item`` value heads: the target's chunk cut to
+    the heads whose inputs the producer can hold (``GDNPipeConfig.check``)."""
+    return max(1, producer_prefetch(arch) // heads_per_item)
+
+
 def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeConfig]:
     """The configs the tuner times (replayssm_cute.tune) where ``pipelined_config`` serves
     ``shape``: one or two CTAs per SM, whole or half heads per item, 8- or 16-row consumer warps,
@@ -607,7 +613,7 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
                     for groups in (1, 2):
                         for stages in PIPELINE_STAGE_CHOICES:
                             config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp,
-                                                   max(1, producer_prefetch(arch) // heads), groups, heads_per_item=heads)
+                                                   item_chunk(arch, heads), groups, heads_per_item=heads)
                             if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
                                 continue
                             if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
@@ -630,7 +636,7 @@ def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNP
     mma_dots = shape.read_copy not in CUDA_CORE_DOT_READS
     if shape.read_copy is not None:
         heads = READ_COPY_HEADS_PER_ITEM
-        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=max(1, producer_prefetch(arch) // heads),
+        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=item_chunk(arch, heads),
                                mma_dots=mma_dots, heads_per_item=heads)
         if config.check(shape) is None:
             return config
