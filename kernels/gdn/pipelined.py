@@ -533,6 +533,54 @@ class StagedItem(NamedTuple):
 
 
 @dataclass(frozen=True)
+class GDNPipeDims:
+    """What the kernel's methods derive from (shape, config), once (``pipe_dims``); a plain
+    dataclass, not a NamedTuple, which the DSL would take apart as a tree of values."""
+
+    HV: int  # value heads
+    V: int  # a value head's rows
+    K: int  # a row's columns (head_k_dim)
+    L: int  # window
+    cap: int  # ring capacity
+    ST: int  # stages
+    PF: int  # the producer's chunk of items
+    R: int  # an item's rows of each of its heads
+    HI: int  # an item's value heads
+    RI: int  # an item's rows: its heads' one after the other
+    parts: int  # items per value head (1 where an item has several heads)
+    HVI: int  # a row's items per part: its groups of HI value heads
+    CW: int  # consumer warps of a group
+    G: int  # consumer groups
+    RW: int  # a consumer warp's rows
+    vec: int  # a lane's consecutive elements of a K row
+    KL: int  # lanes that hold part of a K row
+    rep: int  # value heads per key head
+    act: type  # activation dtype
+    ring: bool  # L > 1
+    read: object  # the read copy's CopyFormat, or None
+    entry: object  # the CopyFormat a non-flushing item's stage holds
+    mma_reads: bool  # a read copy's rows meet k and q on tensor cores
+    mma_flush: bool  # a flush next to a read copy folds on tensor cores
+    flush_rows: tuple  # a flush's fp32 rows in a lane's registers
+    piece: int  # fragment_piece
+    kq_ups: tuple  # kq_fragment_scales
+    box_bytes: int  # an item's TMA box
+
+
+def pipe_dims(shape: GDNShape, config: "GDNPipeConfig") -> GDNPipeDims:
+    s, c = shape, config
+    V, K, R, HI, RW = s.head_v_dim, s.head_k_dim, c.rows_per_item, c.heads_per_item, c.rows_per_warp
+    mma_flush = c.tensor_core_flush(s)
+    return GDNPipeDims(
+        HV=s.num_v_heads, V=V, K=K, L=s.window, cap=s.capacity, ST=c.stages, PF=c.prefetch, R=R, HI=HI, RI=HI * R,
+        parts=V // R, HVI=s.num_v_heads // HI, CW=c.consumer_warps(), G=c.consumer_groups, RW=RW, vec=s.k_vec,
+        KL=K // s.k_vec, rep=s.num_v_heads // s.num_k_heads, act=s.act_dtype, ring=s.window > 1, read=s.copies.read,
+        entry=s.copies.entry, mma_reads=c.tensor_core_reads(s), mma_flush=mma_flush,
+        flush_rows=(2, K // 4) if mma_flush else (RW, s.k_vec), piece=fragment_piece(s),
+        kq_ups=kq_fragment_scales(s.q_scale), box_bytes=HI * R * s.copies.entry.row_bytes)
+
+
+@dataclass(frozen=True)
 class GDNPipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
     ``ctas`` CTAs in the persistent grid, ``rows_per_item`` state rows per item (a divisor of
@@ -723,6 +771,7 @@ class GDNPipelinedDecode:
             raise ValueError(f"GDNPipeConfig {config} invalid for {shape}: {reason}")
         self.shape = shape
         self.config = config
+        self.dims = pipe_dims(shape, config)
 
     @cute.jit
     def __call__(
@@ -751,9 +800,8 @@ class GDNPipelinedDecode:
         mSrSeed: Optional[cute.Tensor],
         stream,
     ):
-        s, c = self.shape, self.config
-        HV, V = s.num_v_heads, s.head_v_dim
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.heads_per_item * c.rows_per_item)
+        s, c, d = self.shape, self.config, self.dims
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, d.HV * d.V, d.RI)
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
@@ -771,12 +819,9 @@ class GDNPipelinedDecode:
         records: GDNRing,
         copy: ReadCopy,
     ):
-        s, c = self.shape, self.config
-        PF, R, HI = c.prefetch, c.rows_per_item, c.heads_per_item
-        parts = s.head_v_dim // R  # items per value head (1 where an item has several heads)
-        HVI = s.num_v_heads // HI  # a row's items per part: its groups of HI value heads
+        s, d = self.shape, self.dims
+        PF, R, HI, parts, HVI, box_bytes = d.PF, d.R, d.HI, d.parts, d.HVI, d.box_bytes
         copies = s.copies
-        box_bytes = HI * R * copies.entry.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -809,17 +854,9 @@ class GDNPipelinedDecode:
     @cute.jit
     def shared_storage(self) -> "GDNPipeSmem":
         """The kernel's shared memory (``GDNPipeSmem``), its mbarriers initialised."""
-        s, c = self.shape, self.config
-        K, cap = s.head_k_dim, s.capacity
-        ST, CW, G, RW, HI = c.stages, c.consumer_warps(), c.consumer_groups, c.rows_per_warp, c.heads_per_item
-        RI = HI * c.rows_per_item
-        act = s.act_dtype
-        ring = s.window > 1
-        copies = s.copies
-        read, entry = copies.read, copies.entry
-        rederive = s.rederive
-        mma_reads = c.tensor_core_reads(s)
-        mma_flush = c.tensor_core_flush(s)
+        s, c, d = self.shape, self.config, self.dims
+        K, cap, ST, CW, G, RW, HI, RI, act, ring = d.K, d.cap, d.ST, d.CW, d.G, d.RW, d.HI, d.RI, d.act, d.ring
+        copies, read, entry, rederive, mma_reads, mma_flush = s.copies, d.read, d.entry, s.rederive, d.mma_reads, d.mma_flush
 
         # Shared memory, declared once: per stage the item's state rows (the fp32 checkpoint's, or
         # the read copy's with their scales; head i's from i R), the ring records it reads, this
@@ -879,19 +916,10 @@ class GDNPipelinedDecode:
                 mSlot: cute.Tensor, records: GDNRing, copy: ReadCopy, sm: "GDNPipeSmem", bid: Int32, grid: Int32,
                 lane: Int32, num_slots: Int32, total: Int32):
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
-        s, c = self.shape, self.config
+        s, d = self.shape, self.dims
         mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
-        HV, K, L, cap = s.num_v_heads, s.head_k_dim, s.window, s.capacity
-        ST, PF, R, HI = c.stages, c.prefetch, c.rows_per_item, c.heads_per_item
-        RI = HI * R
-        parts = s.head_v_dim // R
-        HVI = HV // HI
-        rep = HV // s.num_k_heads
-        act = s.act_dtype
-        ring = L > 1
-        read, entry = s.copies.read, s.copies.entry
-        rederive = s.rederive
-        box_bytes = RI * entry.row_bytes
+        K, L, cap, ST, PF, R, HI, RI, parts, HVI = d.K, d.L, d.cap, d.ST, d.PF, d.R, d.HI, d.RI, d.parts, d.HVI
+        rep, act, ring, read, entry, rederive, box_bytes = d.rep, d.act, d.ring, d.read, d.entry, s.rederive, d.box_bytes
         u_per16 = 8  # fp16 u values per 16-byte cp.async
         k_per16 = 128 // act.width
         sState, sReadScale, sRingU, sRingK, sRingV, sRingBeta = (sm.sState, sm.sReadScale, sm.sRingU, sm.sRingK,
@@ -1007,16 +1035,9 @@ class GDNPipelinedDecode:
                 sm: "GDNPipeSmem", bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage, head by head
         (``consume_head``), then the stage released."""
-        s, c = self.shape, self.config
-        HV, L, cap = s.num_v_heads, s.window, s.capacity
-        ST, CW, G, RW, HI = c.stages, c.consumer_warps(), c.consumer_groups, c.rows_per_warp, c.heads_per_item
-        parts = s.head_v_dim // c.rows_per_item
-        HVI = HV // HI
-        vec = s.k_vec
-        ring = L > 1
-        read = s.copies.read
-        mma_reads = c.tensor_core_reads(s)
-        kq_ups = kq_fragment_scales(s.q_scale)
+        s, d = self.shape, self.dims
+        L, cap, ST, CW, G, RW, HI, parts, HVI, vec = d.L, d.cap, d.ST, d.CW, d.G, d.RW, d.HI, d.parts, d.HVI, d.vec
+        ring, read, mma_reads, kq_ups = d.ring, d.read, d.mma_reads, d.kq_ups
         sRingK, sRingDot, sKQFragments, sQ, sK, sMetaI, sMetaF, full, empty = (
             sm.sRingK, sm.sRingDot, sm.sKQFragments, sm.sQ, sm.sK, sm.sMetaI, sm.sMetaF, sm.full, sm.empty)
         # consumer group cg computes the CTA's items cg, cg + G, ...; cw is the warp's place in it
@@ -1079,23 +1100,13 @@ class GDNPipelinedDecode:
         """The warp's rows of the item's head ``hi``: load (the head's gates and record weights, a
         flush's fp32 rows, the ring's u), compute (S k and S q of the rows, a re-deriving flush's
         corrections, the ring sums), store (the output, then the ring's record or the folded rows)."""
-        s, c = self.shape, self.config
+        s, d = self.shape, self.dims
         mRingU, mRingK, mRingG, mRingV, mRingBeta, _ = records
-        HV, K, cap = s.num_v_heads, s.head_k_dim, s.capacity
-        CW, RW, R = c.consumer_warps(), c.rows_per_warp, c.rows_per_item
-        vec = s.k_vec
-        KL = K // vec  # lanes that hold part of a K row
-        rep = HV // s.num_k_heads
-        act = s.act_dtype
-        ring = s.window > 1
-        copies = s.copies
-        read, entry = copies.read, copies.entry
-        rederive = s.rederive
-        mma_reads = c.tensor_core_reads(s)
-        mma_flush = c.tensor_core_flush(s)
-        flush_rows = (2, K // 4) if mma_flush else (RW, vec)  # a flush's rAcc
-        piece = fragment_piece(s)
-        kq_ups = kq_fragment_scales(s.q_scale)
+        cap, CW, RW, R, vec, KL, rep, act, ring, read, entry = (d.cap, d.CW, d.RW, d.R, d.vec, d.KL, d.rep, d.act, d.ring,
+                                                                d.read, d.entry)
+        copies, rederive, mma_reads, mma_flush, piece, kq_ups = (s.copies, s.rederive, d.mma_reads, d.mma_flush,
+                                                                 d.piece, d.kq_ups)
+        flush_rows = d.flush_rows  # a flush's rAcc
         cg, cw, scratch, group_barrier, lr, r0, i_row, lane = w
         st, row, vhead, part, slot64, h, origin, flush, pos_h, kq, fragments_buffer = item
         sState, sReadScale, sAmax, sWeightedDots = sm.sState, sm.sReadScale, sm.sAmax, sm.sWeightedDots
@@ -1142,8 +1153,8 @@ class GDNPipelinedDecode:
             j_l = (lane % cap - origin + cap) % cap
             w_l = cute.arch.shuffle_sync(w_j, j_l)
             if lane < cap:
-                for d in cutlass.range_constexpr(2):
-                    sWeightedDots[d, lane, scratch] = cutlass.select_(j_l < h, w_l * sRingDot[d, lane, st],
+                for dot in cutlass.range_constexpr(2):
+                    sWeightedDots[dot, lane, scratch] = cutlass.select_(j_l < h, w_l * sRingDot[dot, lane, st],
                                                                       Float32(0.0))
             if cutlass.const_expr(rederive):
                 if flush:
@@ -1269,17 +1280,11 @@ class GDNPipelinedDecode:
         state scale from the folded rows of every consumer warp of the group first, which meet at
         ``group_barrier`` through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
         the fold runs on tensor cores (``fragment_fold``, through the warp's ``scratch`` of ``sUre``)."""
-        s, c = self.shape, self.config
-        cap, K = s.capacity, s.head_k_dim
-        RW, CW = c.rows_per_warp, c.consumer_warps()
-        vec = s.k_vec
-        KL = K // vec
-        act = s.act_dtype
+        s, d = self.shape, self.dims
+        cap, K, RW, CW, vec, KL, act, ring, piece = d.cap, d.K, d.RW, d.CW, d.vec, d.KL, d.act, d.ring, d.piece
         copies = s.copies
-        ring = s.window > 1
-        piece = fragment_piece(s)
         lane = cute.arch.lane_idx()
-        if cutlass.const_expr(c.tensor_core_flush(s)):
+        if cutlass.const_expr(d.mma_flush):
             rCoefs = cute.make_rmem_tensor((cap,), Float32)
             sKeys, sCoef = None, None
             if cutlass.const_expr(ring):
@@ -1322,7 +1327,7 @@ class GDNPipelinedDecode:
                 if cw == 0:
                     if lane == 0:
                         copy.mStateScale[slot64, vhead] = state_scale
-            if cutlass.const_expr(c.tensor_core_flush(s)):
+            if cutlass.const_expr(d.mma_flush):
                 # the lane's pieces of rows g and g + 8; an nvfp4 block is a lane's piece or two
                 # (fragment_piece), an fp8 block a whole row (flush_fits_tensor_cores): its amax over the quad
                 for half in cutlass.range_constexpr(2):
@@ -1349,14 +1354,11 @@ class GDNPipelinedDecode:
         elements of their q, k (K / 32 each) and v (the item's rows / 32, its heads' one after the
         other) into ``rQ[u]``, ``rK[u]``, ``rV[u]`` (fp32); lane u: (slot, h, origin) of item u
         into ``rInt``, and each head i's (raw gates a and b, A_log, dt_bias) into ``rFloat[None, i]``."""
-        s, c = self.shape, self.config
-        HV, K, R, HI = s.num_v_heads, s.head_k_dim, c.rows_per_item, c.heads_per_item
-        parts = s.head_v_dim // R
-        HVI = HV // HI
-        rep = HV // s.num_k_heads
+        d = self.dims
+        K, R, HI, parts, HVI, rep, PF = d.K, d.R, d.HI, d.parts, d.HVI, d.rep, d.PF
         lane = cute.arch.lane_idx()
         mQ, mK, mV, mA, mB, mALog, mDtBias = token
-        for u in cutlass.range_constexpr(c.prefetch):
+        for u in cutlass.range_constexpr(PF):
             item = cutlass.min(first + u * stride, total - 1)
             row = item // (HVI * parts)
             vhead0 = (item // parts) % HVI * HI
@@ -1371,13 +1373,13 @@ class GDNPipelinedDecode:
                 r = e * 32 + lane  # the item's row r: head r // R, row r % R of its part
                 if r < HI * R:
                     rV[u, e] = mV[row, vhead0 + r // R, part * R + r % R].to(Float32)
-        item = cutlass.min(first + (lane % c.prefetch) * stride, total - 1)
+        item = cutlass.min(first + (lane % PF) * stride, total - 1)
         row = item // (HVI * parts)
         vhead0 = (item // parts) % HVI * HI
         rInt[0] = mSlot[row]
         rInt[1] = Int32(0)
         rInt[2] = Int32(0)
-        if cutlass.const_expr(s.window > 1):
+        if cutlass.const_expr(d.ring):
             rInt[1] = mPlan[row, 1]
             rInt[2] = mPlan[row, 2]
         for i in cutlass.range_constexpr(HI):

@@ -154,6 +154,50 @@ class StagedItem(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Mamba2PipeDims:
+    """What the kernel's methods derive from (shape, config), once (``pipe_dims``); a plain
+    dataclass, not a NamedTuple, which the DSL would take apart as a tree of values."""
+
+    H: int  # heads
+    P: int  # headdim: a head's rows
+    N: int  # dstate: a row's columns
+    G: int  # groups
+    L: int  # window
+    cap: int  # ring capacity
+    ST: int  # stages
+    PF: int  # the producer's chunk of items
+    HI: int  # an item's heads
+    PI: int  # an item's rows: its heads' tiles one after the other
+    CW: int  # consumer warps of a group
+    RW: int  # a consumer warp's rows
+    vec: int  # a lane's consecutive elements of a row (N / 32)
+    heads_per_group: int
+    items_per_row: int
+    act: type  # activation dtype
+    ring: bool  # L > 1
+    KR: int  # key rows of a stage (key_rows)
+    read: object  # the read copy's CopyFormat, or None
+    box_bytes: int  # an item's TMA box
+    n_rows: int  # rows reduced together (RW padded to a power of two)
+    n_pos: int  # ring positions reduced together (cap padded to a power of two)
+    pos_shift: int  # lane l holds ring position l >> pos_shift after their reduction
+    mma_reads: bool  # a read copy's rows meet C on tensor cores
+
+
+def pipe_dims(shape: Mamba2Shape, config: "Mamba2PipeConfig") -> Mamba2PipeDims:
+    s, c = shape, config
+    H, P, HI, CW = s.nheads, s.headdim, c.heads_per_item, c.consumer_warps(s)
+    n_pos = pow2_at_least(s.capacity)
+    read = s.copies.read
+    return Mamba2PipeDims(
+        H=H, P=P, N=s.dstate, G=s.ngroups, L=s.window, cap=s.capacity, ST=c.stages, PF=c.prefetch, HI=HI, PI=HI * P,
+        CW=CW, RW=P // CW, vec=s.dstate // 32, heads_per_group=H // s.ngroups, items_per_row=H // HI,
+        act=s.act_dtype, ring=s.window > 1, KR=key_rows(s), read=read, box_bytes=HI * P * s.copies.entry.row_bytes,
+        n_rows=pow2_at_least(P // CW), n_pos=n_pos, pos_shift=5 - (n_pos.bit_length() - 1),
+        mma_reads=read is not None and rows_on_tensor_cores(read, P // CW))
+
+
+@dataclass(frozen=True)
 class Mamba2PipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
     ``ctas`` CTAs in the persistent grid (the SM count, or a multiple of it); an item's consumer
@@ -336,6 +380,7 @@ class Mamba2PipelinedDecode:
         self.shape = shape
         self.config = config
         self.consumer_warps = config.consumer_warps(shape)
+        self.dims = pipe_dims(shape, config)
 
     @cute.jit
     def __call__(
@@ -363,12 +408,12 @@ class Mamba2PipelinedDecode:
         mSrSeed: Optional[cute.Tensor],
         stream,
     ):
-        s, c = self.shape, self.config
-        H, P, HI = s.nheads, s.headdim, c.heads_per_item
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, HI * P)
+        s, c, d = self.shape, self.config, self.dims
+        H, P, PI = d.H, d.P, d.PI
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, PI)
         tma_ckpt, mCkptTma = tma_state, mStateTma
         if cutlass.const_expr(c.flush_tile):  # a flushing item's checkpoint tiles
-            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, s.dstate, H * P, HI * P)
+            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, d.N, H * P, PI)
         launch(self.kernel(
             tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias),
             mSlot, mOut,
@@ -389,11 +434,9 @@ class Mamba2PipelinedDecode:
         records: Mamba2Ring,
         copy: ReadCopy,
     ):
-        s, c = self.shape, self.config
-        PF, HI = c.prefetch, c.heads_per_item
-        items_per_row = s.nheads // HI
+        s, d = self.shape, self.dims
+        PF, HI, items_per_row, box_bytes = d.PF, d.HI, d.items_per_row, d.box_bytes
         copies = s.copies
-        box_bytes = HI * s.headdim * copies.entry.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -426,15 +469,9 @@ class Mamba2PipelinedDecode:
     @cute.jit
     def shared_storage(self) -> "Mamba2PipeSmem":
         """The kernel's shared memory (``Mamba2PipeSmem``), its mbarriers initialised."""
-        s, c = self.shape, self.config
-        N, cap = s.dstate, s.capacity
-        ST, CW, HI = c.stages, self.consumer_warps, c.heads_per_item
-        PI = HI * s.headdim
-        act = s.act_dtype
-        ring = s.window > 1
-        KR = key_rows(s)
+        s, c, d = self.shape, self.config, self.dims
+        N, cap, ST, CW, HI, PI, act, ring, KR, read = d.N, d.cap, d.ST, d.CW, d.HI, d.PI, d.act, d.ring, d.KR, d.read
         copies = s.copies
-        read = copies.read
 
         # Shared memory, declared once: per stage the item's state tiles (the fp32 checkpoint, or
         # the read copy and its scales; head i's rows from i P), ring records, this token's
@@ -480,19 +517,12 @@ class Mamba2PipelinedDecode:
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
         mX, mB, mC, mZ = token.mX, token.mB, token.mC, token.mZ
         mRingX, mRingB, mRingDt, mPlan = records
-        s, c = self.shape, self.config
-        H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
-        ST, PF, HI = c.stages, c.prefetch, c.heads_per_item
-        PI = HI * P  # an item's rows: its heads' tiles one after the other
-        heads_per_group = H // G
-        items_per_row = H // HI
-        act = s.act_dtype
-        ring = L > 1
-        KR = key_rows(s)
+        s, c, d = self.shape, self.config, self.dims
+        H, P, N, L, cap, ST, PF, HI, PI, KR = d.H, d.P, d.N, d.L, d.cap, d.ST, d.PF, d.HI, d.PI, d.KR
+        heads_per_group, items_per_row, act, ring, read, box_bytes = (d.heads_per_group, d.items_per_row, d.act,
+                                                                      d.ring, d.read, d.box_bytes)
         per16 = 128 // act.width  # act elements per 16-byte cp.async
         copies = s.copies
-        read = copies.read
-        box_bytes = PI * copies.entry.row_bytes
         sState, sRead, sReadScale, sRingX, sKeys = sm.sState, sm.sRead, sm.sReadScale, sm.sRingX, sm.sKeys
         sX, sZ, sC, sRingDt, sMetaI, sMetaF, full, empty = (sm.sX, sm.sZ, sm.sC, sm.sRingDt, sm.sMetaI, sm.sMetaF,
                                                             sm.full, sm.empty)
@@ -583,21 +613,15 @@ class Mamba2PipelinedDecode:
                 sm: "Mamba2PipeSmem", bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage: the group's B . C
         once, then head by head (``consume_head``), then the stage released."""
-        s, c = self.shape, self.config
-        H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
-        ST, CW, HI = c.stages, self.consumer_warps, c.heads_per_item
-        RW = P // CW
-        vec = N // 32
-        heads_per_group = H // G
-        items_per_row = H // HI
-        ring = L > 1
+        s, c, d = self.shape, self.config, self.dims
+        L, cap, ST, CW, HI, RW, vec, n_pos = d.L, d.cap, d.ST, d.CW, d.HI, d.RW, d.vec, d.n_pos
+        heads_per_group, items_per_row, ring = d.heads_per_group, d.items_per_row, d.ring
         sKeys, sC, sMetaI, sGroupDots, full, empty = sm.sKeys, sm.sC, sm.sMetaI, sm.sGroupDots, sm.full, sm.empty
         # consumer group g computes the CTA's items g, g + G, ...; cw is the warp's place in it
         g = (warp - 1) // CW
         cw = (warp - 1) % CW
         p_warp = cw * RW  # the warp's first row of a head
         lr = lane % RW
-        n_pos = pow2_at_least(cap)
         it = Int32(0)
         for item in cutlass.range(bid + g * grid, total, grid * c.consumer_groups, unroll=1):
             row = item // items_per_row
@@ -648,19 +672,10 @@ class Mamba2PipelinedDecode:
         compute (S . C of the rows, from the read copy or the fp32 tile, the ring term), store (a
         flush's fold, else the ring's record; the output)."""
         mRingX, mRingB, mRingDt, _ = records
-        s, c = self.shape, self.config
-        H, P, N, G, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.capacity
-        CW = self.consumer_warps
-        RW = P // CW
-        vec = N // 32
-        heads_per_group = H // G
-        act = s.act_dtype
-        ring = s.window > 1
-        read = s.copies.read
-        n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
-        n_pos = pow2_at_least(cap)
-        pos_shift = 5 - (n_pos.bit_length() - 1)
-        mma_reads = read is not None and rows_on_tensor_cores(read, RW)
+        s, c, d = self.shape, self.config, self.dims
+        P, N, cap, CW, RW, vec, heads_per_group, act, ring, read = (d.P, d.N, d.cap, d.CW, d.RW, d.vec, d.heads_per_group,
+                                                                    d.act, d.ring, d.read)
+        n_rows, pos_shift, mma_reads = d.n_rows, d.pos_shift, d.mma_reads
         g, cw, p_warp, lr, warp, lane = w
         stage, row, head0, group, slot64, h, origin, flush, pos_h = item
         sState, sRead, sReadScale, sAmax = sm.sState, sm.sRead, sm.sReadScale, sm.sAmax
