@@ -505,12 +505,12 @@ class ConsumerWarp(NamedTuple):
     lane's row in that part, the lane."""
 
     group: Int32
-    warp: Int32
+    warp_in_group: Int32
     scratch: Int32
     group_barrier: Int32
     lane_row: Int32
     first_row: Int32
-    row: Int32
+    part_row: Int32
     lane: Int32
 
 
@@ -568,6 +568,7 @@ class GDNPipeDims:
 
 
 def pipe_dims(shape: GDNShape, config: "GDNPipeConfig") -> GDNPipeDims:
+    """The ``GDNPipeDims`` of a kernel of ``shape`` launched with ``config``."""
     s, c = shape, config
     V, K, R, HI, RW = s.head_v_dim, s.head_k_dim, c.rows_per_item, c.heads_per_item, c.rows_per_warp
     mma_flush = c.tensor_core_flush(s)

@@ -185,6 +185,7 @@ class Mamba2PipeDims:
 
 
 def pipe_dims(shape: Mamba2Shape, config: "Mamba2PipeConfig") -> Mamba2PipeDims:
+    """The ``Mamba2PipeDims`` of a kernel of ``shape`` launched with ``config``."""
     s, c = shape, config
     H, P, HI, CW = s.nheads, s.headdim, c.heads_per_item, c.consumer_warps(s)
     n_pos = pow2_at_least(s.capacity)
