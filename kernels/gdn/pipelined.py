@@ -853,7 +853,7 @@ class GDNPipelinedDecode:
             self.consume(mCheckpoint, mOut, records, copy, sm, bid, grid, warp, lane, num_slots, total)
 
     @cute.jit
-    def shared_storage(self) -> "GDNPipeSmem":
+    def shared_storage(self) -> GDNPipeSmem:
         """The kernel's shared memory (``GDNPipeSmem``), its mbarriers initialised."""
         s, c, d = self.shape, self.config, self.dims
         K, cap, ST, CW, G, RW, HI, RI, act, ring = d.K, d.cap, d.ST, d.CW, d.G, d.RW, d.HI, d.RI, d.act, d.ring
@@ -914,7 +914,7 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, mCheckpoint: cute.Tensor, token: GDNToken,
-                mSlot: cute.Tensor, records: GDNRing, copy: ReadCopy, sm: "GDNPipeSmem", bid: Int32, grid: Int32,
+                mSlot: cute.Tensor, records: GDNRing, copy: ReadCopy, sm: GDNPipeSmem, bid: Int32, grid: Int32,
                 lane: Int32, num_slots: Int32, total: Int32):
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
         s, d = self.shape, self.dims
@@ -1033,7 +1033,7 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
-                sm: "GDNPipeSmem", bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
+                sm: GDNPipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage, head by head
         (``consume_head``), then the stage released."""
         s, d = self.shape, self.dims
@@ -1097,7 +1097,7 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
-                     sm: "GDNPipeSmem", w: "ConsumerWarp", item: "StagedItem", hi: Int32):
+                     sm: GDNPipeSmem, w: ConsumerWarp, item: StagedItem, hi: Int32):
         """The warp's rows of the item's head ``hi``: load (the head's gates and record weights, a
         flush's fp32 rows, the ring's u), compute (S k and S q of the rows, a re-deriving flush's
         corrections, the ring sums), store (the output, then the ring's record or the folded rows)."""
@@ -1105,12 +1105,11 @@ class GDNPipelinedDecode:
         mRingU, mRingK, mRingG, mRingV, mRingBeta, _ = records
         cap, CW, RW, R, vec, KL, rep, act, ring, read, entry = (d.cap, d.CW, d.RW, d.R, d.vec, d.KL, d.rep, d.act, d.ring,
                                                                 d.read, d.entry)
-        copies, rederive, mma_reads, mma_flush, piece, kq_ups = (s.copies, s.rederive, d.mma_reads, d.mma_flush,
-                                                                 d.piece, d.kq_ups)
+        rederive, mma_reads, mma_flush, piece, kq_ups = s.rederive, d.mma_reads, d.mma_flush, d.piece, d.kq_ups
         flush_rows = d.flush_rows  # a flush's rAcc
         cg, cw, scratch, group_barrier, lr, r0, i_row, lane = w
         st, row, vhead, part, slot64, h, origin, flush, pos_h, kq, fragments_buffer = item
-        sState, sReadScale, sAmax, sWeightedDots = sm.sState, sm.sReadScale, sm.sAmax, sm.sWeightedDots
+        sState, sReadScale, sWeightedDots = sm.sState, sm.sReadScale, sm.sWeightedDots
         sRingU, sRingK, sRingDot, sRingG = sm.sRingU, sm.sRingK, sm.sRingDot, sm.sRingG
         sRingV, sRingBeta = sm.sRingV, sm.sRingBeta
         sSolve, sSk, sUre, sKQFragments = sm.sSolve, sm.sSk, sm.sUre, sm.sKQFragments
@@ -1248,12 +1247,7 @@ class GDNPipelinedDecode:
         if lane < RW:
             mOut[row, vhead, part * R + i_row] = (gamma * s_q + ring_q + u * kq).to(act)
         if flush:
-            sHeadAmax = None
-            if cutlass.const_expr(copies.whole_state):
-                sHeadAmax = sAmax[None, hi, None]
-            self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sK, sUre, sHeadAmax,
-                                st, mCheckpoint, copy, slot64, vhead, part * R + r0, cw, scratch,
-                                group_barrier)
+            self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, mCheckpoint, copy, sm, w, item, hi)
         else:
             if cutlass.const_expr(ring):
                 if lane < RW:
@@ -1272,18 +1266,24 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
-                       w_j: Float32, origin: Int32, h: Int32, sRingK, sK: cute.Tensor, sUre, sAmax, stage: Int32,
-                       mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32,
-                       cw: Int32, scratch: Int32, group_barrier: Int32):
-        """A flush of the warp's rows ``first_row ..`` of the head (``rAcc``, fp32, in registers):
+                       w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: GDNPipeSmem, w: ConsumerWarp,
+                       item: StagedItem, hi: Int32):
+        """A flush of the warp's rows of the item's head ``hi`` (``rAcc``, fp32, in registers):
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
         replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
         state scale from the folded rows of every consumer warp of the group first, which meet at
-        ``group_barrier`` through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
-        the fold runs on tensor cores (``fragment_fold``, through the warp's ``scratch`` of ``sUre``)."""
+        the group's named barrier through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in
+        ``fragment_rows``' layout and the fold runs on tensor cores (``fragment_fold``, through the warp's scratch
+        of ``sUre``)."""
         s, d = self.shape, self.dims
         cap, K, RW, CW, vec, KL, act, ring, piece = d.cap, d.K, d.RW, d.CW, d.vec, d.KL, d.act, d.ring, d.piece
         copies = s.copies
+        _, cw, scratch, group_barrier, _, r0, _, _ = w
+        stage, _, vhead, part, slot64, h, origin, _, _, _, _ = item
+        sRingK, sK, sUre, sAmax = sm.sRingK, sm.sK, sm.sUre, None
+        if cutlass.const_expr(copies.whole_state):
+            sAmax = sm.sAmax[None, hi, None]
+        first_row = part * d.R + r0  # the warp's first row of the head
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(d.mma_flush):
             rCoefs = cute.make_rmem_tensor((cap,), Float32)

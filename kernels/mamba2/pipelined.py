@@ -468,7 +468,7 @@ class Mamba2PipelinedDecode:
             self.consume(mCheckpoint, mOut, records, copy, sm, bid, grid, warp, lane, num_slots, total)
 
     @cute.jit
-    def shared_storage(self) -> "Mamba2PipeSmem":
+    def shared_storage(self) -> Mamba2PipeSmem:
         """The kernel's shared memory (``Mamba2PipeSmem``), its mbarriers initialised."""
         s, c, d = self.shape, self.config, self.dims
         N, cap, ST, CW, HI, PI, act, ring, KR, read = d.N, d.cap, d.ST, d.CW, d.HI, d.PI, d.act, d.ring, d.KR, d.read
@@ -514,7 +514,7 @@ class Mamba2PipelinedDecode:
     @cute.jit
     def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, tma_ckpt: cute.CopyAtom, mCkptTma: cute.Tensor,
                 mCheckpoint: cute.Tensor, token: Mamba2Token, mSlot: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
-                sm: "Mamba2PipeSmem", bid: Int32, grid: Int32, lane: Int32, num_slots: Int32, total: Int32):
+                sm: Mamba2PipeSmem, bid: Int32, grid: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
         mX, mB, mC, mZ = token.mX, token.mB, token.mC, token.mZ
         mRingX, mRingB, mRingDt, mPlan = records
@@ -611,7 +611,7 @@ class Mamba2PipelinedDecode:
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
-                sm: "Mamba2PipeSmem", bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
+                sm: Mamba2PipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage: the group's B . C
         once, then head by head (``consume_head``), then the stage released."""
         s, c, d = self.shape, self.config, self.dims
@@ -667,7 +667,7 @@ class Mamba2PipelinedDecode:
 
     @cute.jit
     def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
-                     sm: "Mamba2PipeSmem", w: "ConsumerWarp", item: "StagedItem", i: Int32, rC: cute.Tensor,
+                     sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32, rC: cute.Tensor,
                      rBa: cute.Tensor):
         """The warp's rows of the item's head ``i``: load (the head's dt, gates and record weights),
         compute (S . C of the rows, from the read copy or the fp32 tile, the ring term), store (a
@@ -677,9 +677,9 @@ class Mamba2PipelinedDecode:
         P, N, cap, CW, RW, vec, heads_per_group, act, ring, read = (d.P, d.N, d.cap, d.CW, d.RW, d.vec, d.heads_per_group,
                                                                     d.act, d.ring, d.read)
         n_rows, pos_shift, mma_reads = d.n_rows, d.pos_shift, d.mma_reads
-        g, cw, p_warp, lr, warp, lane = w
+        _, cw, p_warp, lr, warp, lane = w
         stage, row, head0, group, slot64, h, origin, flush, pos_h = item
-        sState, sRead, sReadScale, sAmax = sm.sState, sm.sRead, sm.sReadScale, sm.sAmax
+        sState, sRead, sReadScale = sm.sState, sm.sRead, sm.sReadScale
         sRingX, sKeys = sm.sRingX, sm.sKeys
         sX, sZ, sC, sRingDt, sMetaF, sGroupDots = sm.sX, sm.sZ, sm.sC, sm.sRingDt, sm.sMetaF, sm.sGroupDots
         head = head0 + i
@@ -714,9 +714,8 @@ class Mamba2PipelinedDecode:
             if cutlass.const_expr(c.flush_tile):  # the checkpoint tiles are in the stage
                 dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
             else:  # the dots come with the fold, from the checkpoint's rows
-                self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, i, g, cw, stage,
-                                             gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h,
-                                             sAmax)
+                self.flush_next_to_read_copy(rDots, rC, rBa, gamma, dt_cur * x_cur, w_j, mCheckpoint, copy, sm, w,
+                                             item, i, head)
                 dot_row = self.row_total(rDots)
         else:
             state_scale = Float32(1.0)
@@ -755,13 +754,11 @@ class Mamba2PipelinedDecode:
             # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
             # (next to a read copy without flush_tile: folded with the dots above)
             if cutlass.const_expr(read is None):
-                self.fold_tile(mCheckpoint[slot64, head, None, None], sState, stage, sX, sRingX, sKeys,
-                               rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp, i * P)
+                self.fold_tile(mCheckpoint[slot64, head, None, None], rBa, dt_cur, x_cur, w_j, gamma, sm, w, item, i)
             elif cutlass.const_expr(c.flush_tile):  # in place, then from the tile into both copies
-                self.fold_tile(cute.local_tile(sState[None, None, stage], (P, N), (i, 0)), sState, stage,
-                               sX, sRingX, sKeys, rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp,
-                               i * P)
-                self.store_folded_tile(sState, stage, mCheckpoint, copy, slot64, head, i, g, cw, sAmax)
+                self.fold_tile(cute.local_tile(sState[None, None, stage], (P, N), (i, 0)), rBa, dt_cur, x_cur, w_j,
+                               gamma, sm, w, item, i)
+                self.store_folded_tile(mCheckpoint, copy, sm, w, item, i, head)
         else:
             if cutlass.const_expr(ring):
                 # append this token's record (B and dt once per group / head)
@@ -808,13 +805,15 @@ class Mamba2PipelinedDecode:
         return self.row_total(rDots)
 
     @cute.jit
-    def head_state_scale(self, amax: Float32, sAmax: cute.Tensor, stage: Int32, copy: ReadCopy, slot64: Int64,
-                         head: Int32, i: Int32, g: Int32, cw: Int32) -> Float32:
-        """nvfp4's state scale of the head (the item's ``i``-th) from each consumer warp's ``amax``,
-        reduced over group ``g``'s warps at its named barrier (a slot per warp and head: a warp
-        may go on to the next head before the others have read this one's); consumer warp 0
-        stores it."""
+    def head_state_scale(self, amax: Float32, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem,
+                         i: Int32, head: Int32) -> Float32:
+        """nvfp4's state scale of the item's ``i``-th head (``head``) from each consumer warp's
+        ``amax``, reduced over the warp's group at its named barrier (a slot per warp and head: a
+        warp may go on to the next head before the others have read this one's); the group's
+        warp 0 stores it."""
         CW = self.consumer_warps
+        g, cw = w.group, w.warp_in_group
+        stage, slot64, sAmax = item.stage, item.slot64, sm.sAmax
         state_scale = warps_state_scale(amax, sAmax[None, i, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
         if cw == 0:
             if cute.arch.lane_idx() == 0:
@@ -822,13 +821,15 @@ class Mamba2PipelinedDecode:
         return state_scale
 
     @cute.jit
-    def fold_tile(self, mDst: cute.Tensor, sState: cute.Tensor, stage: Int32, sX: cute.Tensor, sRingX, sKeys: cute.Tensor,
-                  rBa: cute.Tensor, dt_cur: Float32, x_cur: Float32, w_j: Float32, gamma: Float32, origin: Int32,
-                  h: Int32, p_warp: Int32, head_row: Int32):
-        """A flush of the warp's rows p_warp .. of a head (its tile from row ``head_row`` of the
-        stage's tiles in ``stage``) into ``mDst`` (P, N): the checkpoint, or the tile itself (each
-        element is read before it is written, by the same lane): on tensor cores a 16-row tile at
-        a time (``fold_into_checkpoint``), or on CUDA cores."""
+    def fold_tile(self, mDst: cute.Tensor, rBa: cute.Tensor, dt_cur: Float32, x_cur: Float32, w_j: Float32,
+                  gamma: Float32, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32):
+        """A flush of the warp's rows of the item's ``i``-th head (its tile in the item's stage) into
+        ``mDst`` (P, N): the checkpoint, or the tile itself (each element is read before it is
+        written, by the same lane): on tensor cores a 16-row tile at a time
+        (``fold_into_checkpoint``), or on CUDA cores."""
+        head_row = i * self.shape.headdim  # the head's first row in the stage
+        sState, sX, sRingX, sKeys = sm.sState, sm.sX, sm.sRingX, sm.sKeys
+        stage, origin, h, p_warp = item.stage, item.origin, item.h, w.first_row
         s, c = self.shape, self.config
         P, N, cap = s.headdim, s.dstate, s.capacity
         RW = P // self.consumer_warps
@@ -855,11 +856,12 @@ class Mamba2PipelinedDecode:
                 cute.autovec_copy(rAcc[r, None], cute.local_tile(mDst[p_warp + r, None], (vec,), (lane,)))
 
     @cute.jit
-    def store_folded_tile(self, sState: cute.Tensor, stage: Int32, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                          slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, sAmax):
-        """Consumer warp ``cw`` of group ``g``, after ``fold_tile`` into the stage: its folded rows
-        of the item's ``i``-th head into the checkpoint and the read copy (RTN), coalesced from the
-        tile; nvfp4's state scale first, reduced over the group's consumer warps."""
+    def store_folded_tile(self, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp,
+                          item: StagedItem, i: Int32, head: Int32):
+        """A consumer warp after ``fold_tile`` into the stage: its folded rows of the item's ``i``-th
+        head (``head``) into the checkpoint and the read copy (RTN), coalesced from the tile;
+        nvfp4's state scale first, reduced over the group's consumer warps."""
+        sState, stage, slot64, cw = sm.sState, item.stage, item.slot64, w.warp_in_group
         s = self.shape
         copies = s.copies
         CW = self.consumer_warps
@@ -874,22 +876,23 @@ class Mamba2PipelinedDecode:
             amax = Float32(0.0)
             for r in cutlass.range_constexpr(RW):
                 amax = max_nan(amax, lane_amax(load_slice(sState[p_item + r, None, stage], lane, vec)))
-            state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
+            state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
         for r in cutlass.range_constexpr(RW):
             store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
                          copy.mScale, slot64, head, p_warp + r, state_scale, Uint32(0))
 
     @cute.jit
-    def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                                slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, stage: Int32, gamma: Float32,
-                                own: Float32, rBa: cute.Tensor, sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32,
-                                h: Int32, sAmax):
-        """Consumer warp ``cw`` of group ``g``, a flushing item next to a read copy: its rows of the checkpoint
-        of the item's ``i``-th head
-        (prefetched into L2 by the producer) a chunk at a time from global memory into registers,
-        their dots with C into ``rDots``, folded (``fold_rows``) and stored into the checkpoint and
-        the read copy (RTN). nvfp4's state scale needs the whole head first: one pass folds for
-        the amax (reduced over the consumer warps), a second loads, folds and stores again."""
+    def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, rBa: cute.Tensor, gamma: Float32,
+                                own: Float32, w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem,
+                                w: ConsumerWarp, item: StagedItem, i: Int32, head: Int32):
+        """A consumer warp, a flushing item next to a read copy: its rows of the checkpoint of the
+        item's ``i``-th head (``head``; prefetched into L2 by the producer) a chunk at a time from
+        global memory into registers, their dots with C into ``rDots``, folded (``fold_rows``) and
+        stored into the checkpoint and the read copy (RTN). nvfp4's state scale needs the whole
+        head first: one pass folds for the amax (reduced over the consumer warps), a second loads,
+        folds and stores again."""
+        sKeys, sRingX, cw = sm.sKeys, sm.sRingX, w.warp_in_group
+        stage, slot64, origin, h = item.stage, item.slot64, item.origin, item.h
         s = self.shape
         copies = s.copies
         P, N, cap = s.headdim, s.dstate, s.capacity
@@ -924,7 +927,7 @@ class Mamba2PipelinedDecode:
                         store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
-                state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
+                state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
 
     @cute.jit
     def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head0: Int32,
