@@ -470,6 +470,117 @@ class GDNRing(NamedTuple):
     mPlan: Optional[cute.Tensor]
 
 
+class GDNPipeSmem(NamedTuple):
+    """The pipelined decode's shared memory (``GDNPipelinedDecode.shared_storage``); None where the
+    shape has no such tensor. Per stage (the last mode): the item's state rows and their scales,
+    its ring records, this token's q, k, v, the item's scalars; then per consumer group or warp the
+    scratch that outlives a stage; a full and an empty mbarrier per stage."""
+
+    sState: cute.Tensor
+    sReadScale: Optional[cute.Tensor]
+    sAmax: Optional[cute.Tensor]
+    sRingU: Optional[cute.Tensor]
+    sRingK: Optional[cute.Tensor]
+    sRingDot: Optional[cute.Tensor]
+    sWeightedDots: Optional[cute.Tensor]
+    sRingV: Optional[cute.Tensor]
+    sRingBeta: Optional[cute.Tensor]
+    sSolve: Optional[cute.Tensor]
+    sSk: Optional[cute.Tensor]
+    sUre: Optional[cute.Tensor]
+    sKQFragments: Optional[cute.Tensor]
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sRingG: cute.Tensor
+    sMetaI: cute.Tensor
+    sMetaF: cute.Tensor
+    full: cute.Pointer
+    empty: cute.Pointer
+
+
+class ConsumerWarp(NamedTuple):
+    """A consumer warp's place: its group, its place in the group, its scratch slot, the group's
+    named barrier, the lane's row in the warp, the warp's first row of a head's part and the
+    lane's row in that part, the lane."""
+
+    group: Int32
+    warp_in_group: Int32
+    scratch: Int32
+    group_barrier: Int32
+    lane_row: Int32
+    first_row: Int32
+    part_row: Int32
+    lane: Int32
+
+
+class StagedItem(NamedTuple):
+    """One head of the item a consumer warp computes: its stage, batch row, value head and part;
+    its slot (a live one), ring length h, origin, whether it flushes, the ring position this token
+    takes, k . q, and the buffer of its B fragments."""
+
+    stage: Int32
+    row: Int32
+    vhead: Int32
+    part: Int32
+    slot64: Int64
+    h: Int32
+    origin: Int32
+    flush: cutlass.Boolean
+    pos_h: Int32
+    kq: Float32
+    fragments_buffer: Int32
+
+
+@dataclass(frozen=True)
+class GDNPipeDims:
+    """What the kernel's methods derive from (shape, config), once (``pipe_dims``); a plain
+    dataclass, not a NamedTuple, which the DSL would take apart as a tree of values."""
+
+    HV: int  # value heads
+    V: int  # a value head's rows
+    K: int  # a row's columns (head_k_dim)
+    L: int  # window
+    cap: int  # ring capacity
+    ST: int  # stages
+    PF: int  # the producer's chunk of items
+    R: int  # an item's rows of each of its heads
+    HI: int  # an item's value heads
+    RI: int  # an item's rows: its heads' one after the other
+    parts: int  # items per value head (1 where an item has several heads)
+    HVI: int  # a row's items per part: its groups of HI value heads
+    CW: int  # consumer warps of a group
+    G: int  # consumer groups
+    RW: int  # a consumer warp's rows
+    vec: int  # a lane's consecutive elements of a K row
+    KL: int  # lanes that hold part of a K row
+    rep: int  # value heads per key head
+    act: type  # activation dtype
+    ring: bool  # L > 1
+    read: object  # the read copy's CopyFormat, or None
+    entry: object  # the CopyFormat a non-flushing item's stage holds
+    mma_reads: bool  # a read copy's rows meet k and q on tensor cores
+    mma_flush: bool  # a flush next to a read copy folds on tensor cores
+    flush_rows: tuple  # a flush's fp32 rows in a lane's registers
+    piece: int  # fragment_piece
+    kq_ups: tuple  # kq_fragment_scales
+    box_bytes: int  # an item's TMA box
+
+
+def pipe_dims(shape: GDNShape, config: "GDNPipeConfig") -> GDNPipeDims:
+    """The ``GDNPipeDims`` of a kernel of ``shape`` launched with ``config``."""
+    s, c = shape, config
+    V, K, R, HI, RW = s.head_v_dim, s.head_k_dim, c.rows_per_item, c.heads_per_item, c.rows_per_warp
+    mma_flush = c.tensor_core_flush(s)
+    return GDNPipeDims(
+        HV=s.num_v_heads, V=V, K=K, L=s.window, cap=s.capacity, ST=c.stages, PF=c.prefetch, R=R, HI=HI, RI=HI * R,
+        parts=V // R, HVI=s.num_v_heads // HI, CW=c.consumer_warps(), G=c.consumer_groups, RW=RW, vec=s.k_vec,
+        KL=K // s.k_vec, rep=s.num_v_heads // s.num_k_heads, act=s.act_dtype, ring=s.window > 1, read=s.copies.read,
+        entry=s.copies.entry, mma_reads=c.tensor_core_reads(s), mma_flush=mma_flush,
+        flush_rows=(2, K // 4) if mma_flush else (RW, s.k_vec), piece=fragment_piece(s),
+        kq_ups=kq_fragment_scales(s.q_scale), box_bytes=HI * R * s.copies.entry.row_bytes)
+
+
 @dataclass(frozen=True)
 class GDNPipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
@@ -587,6 +698,12 @@ class GDNPipeConfig:
                 or smem_fit(self.smem_bytes(shape), self.min_ctas_per_sm))
 
 
+def item_chunk(arch: str, heads_per_item: int) -> int:
+    """The producer's chunk of items of ``heads_per_item`` value heads: the target's chunk cut to
+    the heads whose inputs the producer can hold (``GDNPipeConfig.check``)."""
+    return max(1, producer_prefetch(arch) // heads_per_item)
+
+
 def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeConfig]:
     """The configs the tuner times (replayssm_cute.tune) where ``pipelined_config`` serves
     ``shape``: one or two CTAs per SM, whole or half heads per item, 8- or 16-row consumer warps,
@@ -607,7 +724,7 @@ def pipelined_space(shape: GDNShape, sm_count: int, arch: str) -> List[GDNPipeCo
                     for groups in (1, 2):
                         for stages in PIPELINE_STAGE_CHOICES:
                             config = GDNPipeConfig(stages, per_sm * sm_count, rows, rows_per_warp,
-                                                   max(1, producer_prefetch(arch) // heads), groups, heads_per_item=heads)
+                                                   item_chunk(arch, heads), groups, heads_per_item=heads)
                             if groups > 1 and per_sm * config.warps() > MAX_GROUPED_WARPS:
                                 continue
                             if config.check(shape) is None and smem_fit(config.smem_bytes(shape), per_sm) is None:
@@ -630,7 +747,7 @@ def pipelined_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[GDNP
     mma_dots = shape.read_copy not in CUDA_CORE_DOT_READS
     if shape.read_copy is not None:
         heads = READ_COPY_HEADS_PER_ITEM
-        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=max(1, producer_prefetch(arch) // heads),
+        config = GDNPipeConfig(stages=2, ctas=sm_count, rows_per_item=V, prefetch=item_chunk(arch, heads),
                                mma_dots=mma_dots, heads_per_item=heads)
         if config.check(shape) is None:
             return config
@@ -655,6 +772,7 @@ class GDNPipelinedDecode:
             raise ValueError(f"GDNPipeConfig {config} invalid for {shape}: {reason}")
         self.shape = shape
         self.config = config
+        self.dims = pipe_dims(shape, config)
 
     @cute.jit
     def __call__(
@@ -683,9 +801,8 @@ class GDNPipelinedDecode:
         mSrSeed: Optional[cute.Tensor],
         stream,
     ):
-        s, c = self.shape, self.config
-        HV, V = s.num_v_heads, s.head_v_dim
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.heads_per_item * c.rows_per_item)
+        s, c, d = self.shape, self.config, self.dims
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, d.HV * d.V, d.RI)
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
@@ -703,36 +820,9 @@ class GDNPipelinedDecode:
         records: GDNRing,
         copy: ReadCopy,
     ):
-        s, c = self.shape, self.config
-        mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
-        HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
-        ST = c.stages
-        PF = c.prefetch
-        R = c.rows_per_item
-        CW = c.consumer_warps()
-        G = c.consumer_groups
-        RW = c.rows_per_warp
-        HI = c.heads_per_item
-        RI = HI * R  # an item's rows: its heads' one after the other
-        parts = V // R  # items per value head (1 where an item has several heads)
-        HVI = HV // HI  # a row's items per part: its groups of HI value heads
-        vec = s.k_vec
-        KL = K // vec  # lanes that hold part of a K row
-        rep = HV // H
-        act = s.act_dtype
-        ring = L > 1
+        s, d = self.shape, self.dims
+        PF, R, HI, parts, HVI, box_bytes = d.PF, d.R, d.HI, d.parts, d.HVI, d.box_bytes
         copies = s.copies
-        read = copies.read
-        entry = copies.entry
-        rederive = s.rederive
-        mma_reads = c.tensor_core_reads(s)
-        mma_flush = c.tensor_core_flush(s)
-        flush_rows = (2, K // 4) if mma_flush else (RW, vec)  # a flush's rAcc
-        piece = fragment_piece(s)
-        kq_ups = kq_fragment_scales(s.q_scale)
-        box_bytes = RI * entry.row_bytes
-        u_per16 = 8  # fp16 u values per 16-byte cp.async
-        k_per16 = 128 // act.width
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -741,6 +831,33 @@ class GDNPipelinedDecode:
         lane = tidx % 32
         num_slots = mCheckpoint.shape[0]
         total = token.mV.shape[0] * HVI * parts
+        sm = self.shared_storage()
+
+        # While the previous kernel finishes: lane u of the producer asks L2 for the entry rows (the
+        # read copy's, else the checkpoint's) of the CTA's item u (by a slot id that may still
+        # change: only a prefetch depends on it).
+        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
+            if (warp == 0) & (lane < PF):
+                item = bid + lane * grid
+                if item < total:
+                    slot = load_past_l1(mSlot, item // (HVI * parts))
+                    if slot_is_live(slot, num_slots, s.pad_slot_id):
+                        mEntry = copy.mData if copies.separate else mCheckpoint
+                        prefetch_l2(mEntry[Int64(slot), (item // parts) % HVI * HI, (item % parts) * R, None], box_bytes)
+        after_previous_kernel()
+
+        if warp == 0:
+            self.produce(tma_state, mStateTma, mCheckpoint, token, mSlot, records, copy, sm, bid, grid, lane,
+                         num_slots, total)
+        else:
+            self.consume(mCheckpoint, mOut, records, copy, sm, bid, grid, warp, lane, num_slots, total)
+
+    @cute.jit
+    def shared_storage(self) -> GDNPipeSmem:
+        """The kernel's shared memory (``GDNPipeSmem``), its mbarriers initialised."""
+        s, c, d = self.shape, self.config, self.dims
+        K, cap, ST, CW, G, RW, HI, RI, act, ring = d.K, d.cap, d.ST, d.CW, d.G, d.RW, d.HI, d.RI, d.act, d.ring
+        copies, read, entry, rederive, mma_reads, mma_flush = s.copies, d.read, d.entry, s.rederive, d.mma_reads, d.mma_flush
 
         # Shared memory, declared once: per stage the item's state rows (the fp32 checkpoint's, or
         # the read copy's with their scales; head i's from i R), the ring records it reads, this
@@ -792,354 +909,383 @@ class GDNPipelinedDecode:
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META, HI), ST)
         full, empty = stage_barriers(smem, ST, CW)
+        return GDNPipeSmem(sState, sReadScale, sAmax, sRingU, sRingK, sRingDot, sWeightedDots, sRingV, sRingBeta,
+                           sSolve, sSk, sUre, sKQFragments, sQ, sK, sV, sRingG, sMetaI, sMetaF, full, empty)
 
-        # While the previous kernel finishes: lane u of the producer asks L2 for the entry rows (the
-        # read copy's, else the checkpoint's) of the CTA's item u (by a slot id that may still
-        # change: only a prefetch depends on it).
-        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
-            if (warp == 0) & (lane < PF):
-                item = bid + lane * grid
+    @cute.jit
+    def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, mCheckpoint: cute.Tensor, token: GDNToken,
+                mSlot: cute.Tensor, records: GDNRing, copy: ReadCopy, sm: GDNPipeSmem, bid: Int32, grid: Int32,
+                lane: Int32, num_slots: Int32, total: Int32):
+        """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
+        s, d = self.shape, self.dims
+        mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
+        K, L, cap, ST, PF, R, HI, RI, parts, HVI = d.K, d.L, d.cap, d.ST, d.PF, d.R, d.HI, d.RI, d.parts, d.HVI
+        rep, act, ring, read, entry, rederive, box_bytes = d.rep, d.act, d.ring, d.read, d.entry, s.rederive, d.box_bytes
+        u_per16 = 8  # fp16 u values per 16-byte cp.async
+        k_per16 = 128 // act.width
+        sState, sReadScale, sRingU, sRingK, sRingV, sRingBeta = (sm.sState, sm.sReadScale, sm.sRingU, sm.sRingK,
+                                                                 sm.sRingV, sm.sRingBeta)
+        sQ, sK, sV, sRingG, sMetaI, sMetaF, empty, full = (sm.sQ, sm.sK, sm.sV, sm.sRingG, sm.sMetaI, sm.sMetaF,
+                                                           sm.empty, sm.full)
+        t_s, t_g = box_partition(tma_state, mStateTma, sState, (RI, entry.cols))
+        copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
+        copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
+        copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        # The producer walks its items in chunks of PF: it holds the chunk's q, k, v (and
+        # lane u the scalars of item u) and loads the next chunk's while this one is issued,
+        # so a load's latency is paid once per chunk behind PF stage waits.
+        kq_per_lane = (K + 31) // 32  # lane: q and k elements lane, lane + 32, ...
+        v_per_lane = (RI + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
+        rQ = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
+        rK = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
+        rV = cute.make_rmem_tensor((PF, v_per_lane), Float32)
+        rInt = cute.make_rmem_tensor((3,), Int32)
+        rFloat = cute.make_rmem_tensor((4, HI), Float32)
+        rQn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
+        rKn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
+        rVn = cute.make_rmem_tensor((PF, v_per_lane), Float32)
+        rIntNext = cute.make_rmem_tensor((3,), Int32)
+        rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
+        self.chunk_inputs(bid, grid, total, mSlot, mPlan, token, rQ, rK, rV, rInt, rFloat)
+        chunk = Int32(0)
+        for first in cutlass.range(bid, total, grid * PF, unroll=1):
+            self.chunk_inputs(first + grid * PF, grid, total, mSlot, mPlan, token, rQn, rKn, rVn, rIntNext,
+                              rFloatNext)
+            for u in cutlass.range_constexpr(PF):
+                item = first + u * grid
                 if item < total:
-                    slot = load_past_l1(mSlot, item // (HVI * parts))
-                    if slot_is_live(slot, num_slots, s.pad_slot_id):
-                        mEntry = copy.mData if copies.separate else mCheckpoint
-                        prefetch_l2(mEntry[Int64(slot), (item // parts) % HVI * HI, (item % parts) * R, None], box_bytes)
-        after_previous_kernel()
-
-        if warp == 0:
-            # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState, (RI, entry.cols))
-            copy_u = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Float16, num_bits_per_copy=128)
-            copy_k = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
-            copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            # The producer walks its items in chunks of PF: it holds the chunk's q, k, v (and
-            # lane u the scalars of item u) and loads the next chunk's while this one is issued,
-            # so a load's latency is paid once per chunk behind PF stage waits.
-            kq_per_lane = (K + 31) // 32  # lane: q and k elements lane, lane + 32, ...
-            v_per_lane = (RI + 31) // 32  # lane: v of rows lane, lane + 32, ... of the item
-            rQ = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
-            rK = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
-            rV = cute.make_rmem_tensor((PF, v_per_lane), Float32)
-            rInt = cute.make_rmem_tensor((3,), Int32)
-            rFloat = cute.make_rmem_tensor((4, HI), Float32)
-            rQn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
-            rKn = cute.make_rmem_tensor((PF, kq_per_lane), Float32)
-            rVn = cute.make_rmem_tensor((PF, v_per_lane), Float32)
-            rIntNext = cute.make_rmem_tensor((3,), Int32)
-            rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
-            self.chunk_inputs(bid, grid, total, mSlot, mPlan, token, rQ, rK, rV, rInt, rFloat)
-            chunk = Int32(0)
-            for first in cutlass.range(bid, total, grid * PF, unroll=1):
-                self.chunk_inputs(first + grid * PF, grid, total, mSlot, mPlan, token, rQn, rKn, rVn, rIntNext,
-                                  rFloatNext)
-                for u in cutlass.range_constexpr(PF):
-                    item = first + u * grid
-                    if item < total:
-                        vhead0 = (item // parts) % HVI * HI  # the item's first value head
-                        part = item % parts
-                        khead = vhead0 // rep
-                        stage, phase = stage_of(chunk * PF + u, ST)
-                        slot = cute.arch.shuffle_sync(rInt[0], u)
-                        h = cute.arch.shuffle_sync(rInt[1], u)
-                        origin = cute.arch.shuffle_sync(rInt[2], u)
-                        live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                        flush_item = h + 1 >= L
-                        with_box = live
-                        if cutlass.const_expr(read is not None):
-                            with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
-                        # The item's scalars, once here for all its consumer warps: the key head's k
-                        # and q L2-normalised (q scaled) with their dot, and each value head's gates.
-                        kq = normalize_qk(rK[u, None], rQ[u, None], kq_per_lane, s.q_scale)
-                        gates = [gdn_gates(*[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)])
-                                 for i in range(HI)]
-                        acquire_stage(empty, stage, phase)
-                        for e in cutlass.range_constexpr(kq_per_lane):
-                            col = e * 32 + lane
-                            if col < K:
-                                sQ[col, stage] = rQ[u, e]
-                                sK[col, stage] = rK[u, e]
-                        for e in cutlass.range_constexpr(v_per_lane):
-                            vr = e * 32 + lane
-                            if vr < RI:
-                                sV[vr, stage] = rV[u, e]
-                        if live:
-                            slot64 = Int64(slot)
-                            if cutlass.const_expr(ring):
-                                # the live records only; stale positions as zeros. The item's heads'
-                                # rows are consecutive at each position.
-                                copy_records_async(copy_u, item_rows(mRingU[slot64, None, vhead0, None], RI, part),
-                                                   sRingU[None, None, stage], u_per16, origin, h)
-                                copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage],
-                                                   k_per16, origin, h)
-                                for i in cutlass.range_constexpr(HI):
-                                    copy_records_async(copy4, as_column(mRingG[slot64, None, vhead0 + i]),
-                                                       as_column(cute.local_tile(sRingG[None, i, stage], (cap,), (0,))),
-                                                       1, origin, h)
-                            if cutlass.const_expr(read is not None):
-                                if with_box:
-                                    for i in cutlass.range_constexpr(HI):
-                                        sHeadScale = None
-                                        if cutlass.const_expr(read.scale_dtype is not None):
-                                            sHeadScale = cute.local_tile(sReadScale, (R, read.scales_per_row, ST),
-                                                                         (i, 0, 0))
-                                        copy_read_scales_async(read, copy, slot64, vhead0 + i, part, R, sHeadScale,
-                                                               sMetaF[None, i, None], stage)
-                                elif lane == 0:  # a flush: its checkpoint rows into L2 for the consumers' loads
-                                    prefetch_l2(mCheckpoint[slot64, vhead0, part * R, None], RI * K * 4)
-                            if cutlass.const_expr(rederive):
-                                if flush_item:  # the records' v and beta
-                                    copy_records_async(copy_k, item_rows(mRingV[slot64, None, vhead0, None], RI, part),
-                                                       sRingV[None, None, stage], k_per16, origin, h)
-                                    for i in cutlass.range_constexpr(HI):
-                                        copy_records_async(copy4, as_column(mRingBeta[slot64, None, vhead0 + i]),
-                                                           as_column(cute.local_tile(sRingBeta[None, i, stage], (cap,),
-                                                                                     (0,))),
-                                                           1, origin, h)
-                        if lane == 0:
-                            sMetaI[META_SLOT, stage] = slot
-                            sMetaI[META_H, stage] = h
-                            sMetaI[META_ORIGIN, stage] = origin
-                            sMetaF[META_KQ, 0, stage] = kq
+                    vhead0 = (item // parts) % HVI * HI  # the item's first value head
+                    part = item % parts
+                    khead = vhead0 // rep
+                    stage, phase = stage_of(chunk * PF + u, ST)
+                    slot = cute.arch.shuffle_sync(rInt[0], u)
+                    h = cute.arch.shuffle_sync(rInt[1], u)
+                    origin = cute.arch.shuffle_sync(rInt[2], u)
+                    live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                    flush_item = h + 1 >= L
+                    with_box = live
+                    if cutlass.const_expr(read is not None):
+                        with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
+                    # The item's scalars, once here for all its consumer warps: the key head's k
+                    # and q L2-normalised (q scaled) with their dot, and each value head's gates.
+                    kq = normalize_qk(rK[u, None], rQ[u, None], kq_per_lane, s.q_scale)
+                    gates = [gdn_gates(*[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)])
+                             for i in range(HI)]
+                    acquire_stage(empty, stage, phase)
+                    for e in cutlass.range_constexpr(kq_per_lane):
+                        col = e * 32 + lane
+                        if col < K:
+                            sQ[col, stage] = rQ[u, e]
+                            sK[col, stage] = rK[u, e]
+                    for e in cutlass.range_constexpr(v_per_lane):
+                        vr = e * 32 + lane
+                        if vr < RI:
+                            sV[vr, stage] = rV[u, e]
+                    if live:
+                        slot64 = Int64(slot)
+                        if cutlass.const_expr(ring):
+                            # the live records only; stale positions as zeros. The item's heads'
+                            # rows are consecutive at each position.
+                            copy_records_async(copy_u, item_rows(mRingU[slot64, None, vhead0, None], RI, part),
+                                               sRingU[None, None, stage], u_per16, origin, h)
+                            copy_records_async(copy_k, mRingK[slot64, None, khead, None], sRingK[None, None, stage],
+                                               k_per16, origin, h)
                             for i in cutlass.range_constexpr(HI):
-                                sMetaF[META_G, i, stage] = gates[i][0]
-                                sMetaF[META_BETA, i, stage] = gates[i][1]
-                        publish_stage(full, stage, with_box, box_bytes, tma_state,
-                                      t_g[None, (slot * HVI + vhead0 // HI) * parts + part], t_s[None, stage])
-                rQ.store(rQn.load())
-                rK.store(rKn.load())
-                rV.store(rVn.load())
-                rInt.store(rIntNext.load())
-                rFloat.store(rFloatNext.load())
-                chunk = chunk + 1
+                                copy_records_async(copy4, as_column(mRingG[slot64, None, vhead0 + i]),
+                                                   as_column(cute.local_tile(sRingG[None, i, stage], (cap,), (0,))),
+                                                   1, origin, h)
+                        if cutlass.const_expr(read is not None):
+                            if with_box:
+                                for i in cutlass.range_constexpr(HI):
+                                    sHeadScale = None
+                                    if cutlass.const_expr(read.scale_dtype is not None):
+                                        sHeadScale = cute.local_tile(sReadScale, (R, read.scales_per_row, ST),
+                                                                     (i, 0, 0))
+                                    copy_read_scales_async(read, copy, slot64, vhead0 + i, part, R, sHeadScale,
+                                                           sMetaF[None, i, None], stage)
+                            elif lane == 0:  # a flush: its checkpoint rows into L2 for the consumers' loads
+                                prefetch_l2(mCheckpoint[slot64, vhead0, part * R, None], RI * K * 4)
+                        if cutlass.const_expr(rederive):
+                            if flush_item:  # the records' v and beta
+                                copy_records_async(copy_k, item_rows(mRingV[slot64, None, vhead0, None], RI, part),
+                                                   sRingV[None, None, stage], k_per16, origin, h)
+                                for i in cutlass.range_constexpr(HI):
+                                    copy_records_async(copy4, as_column(mRingBeta[slot64, None, vhead0 + i]),
+                                                       as_column(cute.local_tile(sRingBeta[None, i, stage], (cap,),
+                                                                                 (0,))),
+                                                       1, origin, h)
+                    if lane == 0:
+                        sMetaI[META_SLOT, stage] = slot
+                        sMetaI[META_H, stage] = h
+                        sMetaI[META_ORIGIN, stage] = origin
+                        sMetaF[META_KQ, 0, stage] = kq
+                        for i in cutlass.range_constexpr(HI):
+                            sMetaF[META_G, i, stage] = gates[i][0]
+                            sMetaF[META_BETA, i, stage] = gates[i][1]
+                    publish_stage(full, stage, with_box, box_bytes, tma_state,
+                                  t_g[None, (slot * HVI + vhead0 // HI) * parts + part], t_s[None, stage])
+            rQ.store(rQn.load())
+            rK.store(rKn.load())
+            rV.store(rVn.load())
+            rInt.store(rIntNext.load())
+            rFloat.store(rFloatNext.load())
+            chunk = chunk + 1
+
+    @cute.jit
+    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
+                sm: GDNPipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
+        """A consumer warp: its group's items of the CTA, each from its stage, head by head
+        (``consume_head``), then the stage released."""
+        s, d = self.shape, self.dims
+        L, cap, ST, CW, G, RW, HI, parts, HVI, vec = d.L, d.cap, d.ST, d.CW, d.G, d.RW, d.HI, d.parts, d.HVI, d.vec
+        ring, read, mma_reads, kq_ups = d.ring, d.read, d.mma_reads, d.kq_ups
+        sRingK, sRingDot, sKQFragments, sQ, sK, sMetaI, sMetaF, full, empty = (
+            sm.sRingK, sm.sRingDot, sm.sKQFragments, sm.sQ, sm.sK, sm.sMetaI, sm.sMetaF, sm.full, sm.empty)
+        # consumer group cg computes the CTA's items cg, cg + G, ...; cw is the warp's place in it
+        cg = (warp - 1) // CW
+        cw = (warp - 1) % CW
+        scratch = warp - 1  # the warp's slot of the per-warp scratch
+        group_barrier = CONSUMER_BARRIER + cg
+        lr = lane % RW
+        r0 = cw * RW  # the warp's first row of a head's part
+        i_row = r0 + lr  # this lane's state row within the part
+        it = Int32(0)
+        live_items = Int32(0)  # the group's live items so far: their B fragments' buffers alternate
+        for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
+            row = item // (HVI * parts)
+            vhead0 = (item // parts) % HVI * HI
+            part = item % parts
+            stage, phase = stage_of(it * G + cg, ST)
+            wait_stage(full, stage, phase)
+            slot = sMetaI[META_SLOT, stage]
+            if slot_is_live(slot, num_slots, s.pad_slot_id):
+                slot64 = Int64(slot)
+                h = sMetaI[META_H, stage]
+                origin = sMetaI[META_ORIGIN, stage]
+                kq = sMetaF[META_KQ, 0, stage]
+                flush = h + 1 >= L  # h == L only after a speculative commit
+                pos_h = (origin + h) % cap
+                fragments_buffer = 2 * cg + live_items % 2
+                # The key head's ring dots k_p . k and k_p . q (each head weights them for itself
+                # below) and, for a read copy's rows on tensor cores, k and q as B fragments: once
+                # for the item's heads, split over the warps.
+                if cutlass.const_expr(ring):
+                    rKeyK, rKeyQ = lane_vectors(sK[None, stage], sQ[None, stage], vec)
+                    key_head_ring_dots(sRingK[None, None, stage], rKeyK, rKeyQ, sRingDot[None, None, stage],
+                                       cw, CW, cap, vec)
+                    if cutlass.const_expr(mma_reads):
+                        if not flush:
+                            share_b_fragments(read, (rKeyK, rKeyQ), kq_ups,
+                                              sKQFragments[None, None, None, fragments_buffer], cw, CW)
+                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+
+                for hi in cutlass.range(HI, unroll=1):
+                    # the stage, the plan and the key head's quantities (k, q, the ring keys) anew
+                    # per head, as far as the compiler can tell: what it computes from them would
+                    # otherwise be hoisted out of the loop and stay live across the heads
+                    st = loop_variant(stage, hi)
+                    origin = loop_variant(origin, hi)
+                    h = loop_variant(h, hi)
+                    self.consume_head(mCheckpoint, mOut, records, copy, sm,
+                                      ConsumerWarp(cg, cw, scratch, group_barrier, lr, r0, i_row, lane),
+                                      StagedItem(st, row, vhead0 + hi, part, slot64, h, origin, flush, pos_h, kq,
+                                                 fragments_buffer), hi)
+                    cute.arch.sync_warp()  # the warp's scratch read before the next head writes it
+                live_items = live_items + 1
+            release_stage(empty, stage)
+            it = it + 1
+
+    @cute.jit
+    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
+                     sm: GDNPipeSmem, w: ConsumerWarp, item: StagedItem, hi: Int32):
+        """The warp's rows of the item's head ``hi``: load (the head's gates and record weights, a
+        flush's fp32 rows, the ring's u), compute (S k and S q of the rows, a re-deriving flush's
+        corrections, the ring sums), store (the output, then the ring's record or the folded rows)."""
+        s, d = self.shape, self.dims
+        mRingU, mRingK, mRingG, mRingV, mRingBeta, _ = records
+        cap, CW, RW, R, vec, KL, rep, act, ring, read, entry = (d.cap, d.CW, d.RW, d.R, d.vec, d.KL, d.rep, d.act, d.ring,
+                                                                d.read, d.entry)
+        rederive, mma_reads, mma_flush, piece, kq_ups = s.rederive, d.mma_reads, d.mma_flush, d.piece, d.kq_ups
+        flush_rows = d.flush_rows  # a flush's rAcc
+        cg, cw, scratch, group_barrier, lr, r0, i_row, lane = w
+        st, row, vhead, part, slot64, h, origin, flush, pos_h, kq, fragments_buffer = item
+        sState, sReadScale, sWeightedDots = sm.sState, sm.sReadScale, sm.sWeightedDots
+        sRingU, sRingK, sRingDot, sRingG = sm.sRingU, sm.sRingK, sm.sRingDot, sm.sRingG
+        sRingV, sRingBeta = sm.sRingV, sm.sRingBeta
+        sSolve, sSk, sUre, sKQFragments = sm.sSolve, sm.sSk, sm.sUre, sm.sKQFragments
+        sQ, sK, sV, sMetaF = sm.sQ, sm.sK, sm.sV, sm.sMetaF
+        hr0 = hi * R + r0  # the warp's first row of this head in the stage
+        g = sMetaF[META_G, hi, st]
+        beta = sMetaF[META_BETA, hi, st]
+        rK, rQ = lane_vectors(sK[None, st], sQ[None, st], vec)
+        # a flush's fp32 rows: the lane's slice of each of the warp's rows, or on tensor
+        # cores its quarter of two of them (fragment_rows), loaded first so that their
+        # latency overlaps the head's work below (not live across heads: registers)
+        rAcc = cute.make_rmem_tensor(cute.make_layout(flush_rows, stride=(flush_rows[1], 1)), Float32)
+        if cutlass.const_expr(mma_flush):
+            if flush:
+                fragment_rows(rAcc, mCheckpoint[slot64, vhead, None, None], part * R + r0, piece)
+
+        # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
+        # exp(sum of the later g, this token's included).
+        g_rec = Float32(0.0)
+        if cutlass.const_expr(ring):
+            p_lane = lane % cap
+            g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, hi, st],
+                                     Float32(0.0))
+            g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
+        g_j, tail = record_values(g, g_rec, h, ring)
+        w_j = cute.math.exp(tail - g_j, fastmath=False)
+        gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+        # This lane's row's u at every ring position (cached; a re-deriving flush
+        # replaces them) and the head's weighted ring dots (lane p: position p's, into
+        # the warp's scratch); a re-deriving flush's warps also split the records'
+        # coupling.
+        rU = cute.make_rmem_tensor((cap,), Float32)
+        beta_lane = Float32(0.0)  # lane j: beta of record j, read only where a flush re-derives
+        if cutlass.const_expr(rederive):
+            if flush and lane < h:
+                beta_lane = sRingBeta[(origin + lane) % cap, hi, st]
+        if cutlass.const_expr(ring):
+            for p in cutlass.range_constexpr(cap):
+                rU[p] = sRingU[p, hr0 + lr, st].to(Float32)
+            j_l = (lane % cap - origin + cap) % cap
+            w_l = cute.arch.shuffle_sync(w_j, j_l)
+            if lane < cap:
+                for dot in cutlass.range_constexpr(2):
+                    sWeightedDots[dot, lane, scratch] = cutlass.select_(j_l < h, w_l * sRingDot[dot, lane, st],
+                                                                      Float32(0.0))
+            if cutlass.const_expr(rederive):
+                if flush:
+                    solve_matrix(sRingK[None, None, st], sSolve[None, None, hi, cg], g_j, beta_lane,
+                                 origin, h, cw, CW, cap, act.width <= 16)
+                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+            cute.arch.sync_warp()  # the weighted dots
+
+        # S k and S q of the warp's rows (the checkpoint before this token): a flush
+        # holds its fp32 rows in registers (from the stage, or from global memory next
+        # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation; a
+        # read copy's rows meet k and q on tensor cores where they can.
+        s_k = Float32(0.0)  # lane lr's row's totals
+        s_q = Float32(0.0)
+        rRows = cute.make_rmem_tensor((2 * RW,), Float32)
+        rRows.fill(0.0)
+        if flush:
+            if cutlass.const_expr(mma_flush):
+                s_k, s_q = fragment_row_dots(rAcc, sK[None, st], sQ[None, st], piece)
+                if cutlass.const_expr(rederive):
+                    fragment_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], cap,
+                                      act.width <= 16, piece)
+            else:
+                rAcc.fill(0.0)
+                if lane < KL:  # lanes past K hold zeros (K < 32 vec)
+                    for r in cutlass.range_constexpr(RW):
+                        if cutlass.const_expr(read is None):
+                            src = cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,))
+                        else:
+                            src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None],
+                                                  (vec,), (lane,))
+                        cute.autovec_copy(src, rAcc[r, None])
+                for r in cutlass.range_constexpr(RW):
+                    for e in cutlass.range_constexpr(vec):
+                        rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
+                        rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
+                if cutlass.const_expr(rederive):
+                    checkpoint_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], RW,
+                                        cap, vec, act)
         else:
-            # ------------------------------------------------------------ consumers
-            # consumer group cg computes the CTA's items cg, cg + G, ...; cw is the warp's place in it
-            cg = (warp - 1) // CW
-            cw = (warp - 1) % CW
-            scratch = warp - 1  # the warp's slot of the per-warp scratch
-            group_barrier = CONSUMER_BARRIER + cg
-            lr = lane % RW
-            r0 = cw * RW  # the warp's first row of a head's part
-            i_row = r0 + lr  # this lane's state row within the part
-            it = Int32(0)
-            live_items = Int32(0)  # the group's live items so far: their B fragments' buffers alternate
-            for item in cutlass.range(bid + cg * grid, total, grid * G, unroll=1):
-                row = item // (HVI * parts)
-                vhead0 = (item // parts) % HVI * HI
-                part = item % parts
-                stage, phase = stage_of(it * G + cg, ST)
-                wait_stage(full, stage, phase)
-                slot = sMetaI[META_SLOT, stage]
-                if slot_is_live(slot, num_slots, s.pad_slot_id):
-                    slot64 = Int64(slot)
-                    h = sMetaI[META_H, stage]
-                    origin = sMetaI[META_ORIGIN, stage]
-                    kq = sMetaF[META_KQ, 0, stage]
-                    flush = h + 1 >= L  # h == L only after a speculative commit
-                    pos_h = (origin + h) % cap
-                    fragments_buffer = 2 * cg + live_items % 2
-                    # The key head's ring dots k_p . k and k_p . q (each head weights them for itself
-                    # below) and, for a read copy's rows on tensor cores, k and q as B fragments: once
-                    # for the item's heads, split over the warps.
-                    if cutlass.const_expr(ring):
-                        rKeyK, rKeyQ = lane_vectors(sK[None, stage], sQ[None, stage], vec)
-                        key_head_ring_dots(sRingK[None, None, stage], rKeyK, rKeyQ, sRingDot[None, None, stage],
-                                           cw, CW, cap, vec)
-                        if cutlass.const_expr(mma_reads):
-                            if not flush:
-                                share_b_fragments(read, (rKeyK, rKeyQ), kq_ups,
-                                                  sKQFragments[None, None, None, fragments_buffer], cw, CW)
-                        cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+            state_scale = Float32(1.0)
+            if cutlass.const_expr(read is not None and read.has_state_scale):
+                state_scale = sMetaF[READ_STATE_SCALE, hi, st]
+            if cutlass.const_expr(mma_reads):
+                sScaleRows = None
+                if cutlass.const_expr(read.scale_dtype is not None):
+                    sScaleRows = cute.local_tile(sReadScale[None, None, st],
+                                                 (RW, read.scales_per_row), (hi * CW + cw, 0))
+                rB = shared_b_fragments(read, sKQFragments[None, None, None, fragments_buffer], 2)
+                dots = mma_row_dots(read, cute.local_tile(sState[None, None, st], (RW, entry.cols),
+                                                          (hi * CW + cw, 0)),
+                                    sScaleRows, rB, 2, state_scale)
+                s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
+                s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
+            elif lane < KL:
+                for r in cutlass.range_constexpr(RW):
+                    rS = cute.make_rmem_tensor((vec,), Float32)
+                    if cutlass.const_expr(read is None):
+                        cute.autovec_copy(cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,)),
+                                          rS)
+                    else:
+                        scale = smem_scale(read, sReadScale, st, hr0 + r, lane * vec, state_scale)
+                        decode_slice(read, cute.local_tile(sState[hr0 + r, None, st],
+                                                           (read.per_lane(vec),), (lane,)), scale, rS)
+                    for e in cutlass.range_constexpr(vec):
+                        rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
+                        rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
+        if cutlass.const_expr(rederive):
+            if flush:
+                cute.arch.sync_warp()  # the warp's S_ckpt k_p
+                coupled_substitution(sSolve[None, None, hi, cg], sSk[None, None, scratch],
+                                     cute.local_tile(sRingV[None, None, st], (cap, RW), (0, hi * CW + cw)),
+                                     sUre[None, None, scratch], beta_lane, rU, g_j, origin, h, RW, cap)
 
-                    for hi in cutlass.range(HI, unroll=1):
-                        # the stage, the plan and the key head's quantities (k, q, the ring keys) anew
-                        # per head, as far as the compiler can tell: what it computes from them would
-                        # otherwise be hoisted out of the loop and stay live across the heads
-                        st = loop_variant(stage, hi)
-                        origin = loop_variant(origin, hi)
-                        h = loop_variant(h, hi)
-                        vhead = vhead0 + hi
-                        hr0 = hi * R + r0  # the warp's first row of this head in the stage
-                        g = sMetaF[META_G, hi, st]
-                        beta = sMetaF[META_BETA, hi, st]
-                        rK, rQ = lane_vectors(sK[None, st], sQ[None, st], vec)
-                        # a flush's fp32 rows: the lane's slice of each of the warp's rows, or on tensor
-                        # cores its quarter of two of them (fragment_rows), loaded first so that their
-                        # latency overlaps the head's work below (not live across heads: registers)
-                        rAcc = cute.make_rmem_tensor(cute.make_layout(flush_rows, stride=(flush_rows[1], 1)), Float32)
-                        if cutlass.const_expr(mma_flush):
-                            if flush:
-                                fragment_rows(rAcc, mCheckpoint[slot64, vhead, None, None], part * R + r0, piece)
+        # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
+        ring_k = Float32(0.0)
+        ring_q = Float32(0.0)
+        if cutlass.const_expr(ring):
+            for p in cutlass.range_constexpr(cap):
+                ring_k = ring_k + sWeightedDots[0, p, scratch] * rU[p]
+                ring_q = ring_q + sWeightedDots[1, p, scratch] * rU[p]
+        if flush:
+            if cutlass.const_expr(not mma_flush):
+                s_k, s_q = row_totals(rRows, lr, RW)
+        elif cutlass.const_expr(not mma_reads):
+            s_k, s_q = row_totals(rRows, lr, RW)
 
-                        # Lane j: g_j of record j < h, this token's g at lane h; record j's weight is
-                        # exp(sum of the later g, this token's included).
-                        g_rec = Float32(0.0)
-                        if cutlass.const_expr(ring):
-                            p_lane = lane % cap
-                            g_phys = cutlass.select_((p_lane - origin + cap) % cap < h, sRingG[p_lane, hi, st],
-                                                     Float32(0.0))
-                            g_rec = cute.arch.shuffle_sync(g_phys, (origin + lane) % cap)
-                        g_j, tail = record_values(g, g_rec, h, ring)
-                        w_j = cute.math.exp(tail - g_j, fastmath=False)
-                        gamma = cute.math.exp(cute.arch.shuffle_sync(tail, 0), fastmath=False)
-
-                        # This lane's row's u at every ring position (cached; a re-deriving flush
-                        # replaces them) and the head's weighted ring dots (lane p: position p's, into
-                        # the warp's scratch); a re-deriving flush's warps also split the records'
-                        # coupling.
-                        rU = cute.make_rmem_tensor((cap,), Float32)
-                        beta_lane = Float32(0.0)  # lane j: beta of record j, read only where a flush re-derives
-                        if cutlass.const_expr(rederive):
-                            if flush and lane < h:
-                                beta_lane = sRingBeta[(origin + lane) % cap, hi, st]
-                        if cutlass.const_expr(ring):
-                            for p in cutlass.range_constexpr(cap):
-                                rU[p] = sRingU[p, hr0 + lr, st].to(Float32)
-                            j_l = (lane % cap - origin + cap) % cap
-                            w_l = cute.arch.shuffle_sync(w_j, j_l)
-                            if lane < cap:
-                                for d in cutlass.range_constexpr(2):
-                                    sWeightedDots[d, lane, scratch] = cutlass.select_(j_l < h, w_l * sRingDot[d, lane, st],
-                                                                                      Float32(0.0))
-                            if cutlass.const_expr(rederive):
-                                if flush:
-                                    solve_matrix(sRingK[None, None, st], sSolve[None, None, hi, cg], g_j, beta_lane,
-                                                 origin, h, cw, CW, cap, act.width <= 16)
-                                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-                            cute.arch.sync_warp()  # the weighted dots
-
-                        # S k and S q of the warp's rows (the checkpoint before this token): a flush
-                        # holds its fp32 rows in registers (from the stage, or from global memory next
-                        # to a read copy) for the fold, and takes S_ckpt k_p for a re-derivation; a
-                        # read copy's rows meet k and q on tensor cores where they can.
-                        s_k = Float32(0.0)  # lane lr's row's totals
-                        s_q = Float32(0.0)
-                        rRows = cute.make_rmem_tensor((2 * RW,), Float32)
-                        rRows.fill(0.0)
-                        if flush:
-                            if cutlass.const_expr(mma_flush):
-                                s_k, s_q = fragment_row_dots(rAcc, sK[None, st], sQ[None, st], piece)
-                                if cutlass.const_expr(rederive):
-                                    fragment_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], cap,
-                                                      act.width <= 16, piece)
-                            else:
-                                rAcc.fill(0.0)
-                                if lane < KL:  # lanes past K hold zeros (K < 32 vec)
-                                    for r in cutlass.range_constexpr(RW):
-                                        if cutlass.const_expr(read is None):
-                                            src = cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,))
-                                        else:
-                                            src = cute.local_tile(mCheckpoint[slot64, vhead, part * R + r0 + r, None],
-                                                                  (vec,), (lane,))
-                                        cute.autovec_copy(src, rAcc[r, None])
-                                for r in cutlass.range_constexpr(RW):
-                                    for e in cutlass.range_constexpr(vec):
-                                        rRows[2 * r] = rRows[2 * r] + rAcc[r, e] * rK[e]
-                                        rRows[2 * r + 1] = rRows[2 * r + 1] + rAcc[r, e] * rQ[e]
-                                if cutlass.const_expr(rederive):
-                                    checkpoint_key_dots(rAcc, sRingK[None, None, st], sSk[None, None, scratch], RW,
-                                                        cap, vec, act)
-                        else:
-                            state_scale = Float32(1.0)
-                            if cutlass.const_expr(read is not None and read.has_state_scale):
-                                state_scale = sMetaF[READ_STATE_SCALE, hi, st]
-                            if cutlass.const_expr(mma_reads):
-                                sScaleRows = None
-                                if cutlass.const_expr(read.scale_dtype is not None):
-                                    sScaleRows = cute.local_tile(sReadScale[None, None, st],
-                                                                 (RW, read.scales_per_row), (hi * CW + cw, 0))
-                                rB = shared_b_fragments(read, sKQFragments[None, None, None, fragments_buffer], 2)
-                                dots = mma_row_dots(read, cute.local_tile(sState[None, None, st], (RW, entry.cols),
-                                                                          (hi * CW + cw, 0)),
-                                                    sScaleRows, rB, 2, state_scale)
-                                s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
-                                s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
-                            elif lane < KL:
-                                for r in cutlass.range_constexpr(RW):
-                                    rS = cute.make_rmem_tensor((vec,), Float32)
-                                    if cutlass.const_expr(read is None):
-                                        cute.autovec_copy(cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,)),
-                                                          rS)
-                                    else:
-                                        scale = smem_scale(read, sReadScale, st, hr0 + r, lane * vec, state_scale)
-                                        decode_slice(read, cute.local_tile(sState[hr0 + r, None, st],
-                                                                           (read.per_lane(vec),), (lane,)), scale, rS)
-                                    for e in cutlass.range_constexpr(vec):
-                                        rRows[2 * r] = rRows[2 * r] + rS[e] * rK[e]
-                                        rRows[2 * r + 1] = rRows[2 * r + 1] + rS[e] * rQ[e]
-                        if cutlass.const_expr(rederive):
-                            if flush:
-                                cute.arch.sync_warp()  # the warp's S_ckpt k_p
-                                coupled_substitution(sSolve[None, None, hi, cg], sSk[None, None, scratch],
-                                                     cute.local_tile(sRingV[None, None, st], (cap, RW), (0, hi * CW + cw)),
-                                                     sUre[None, None, scratch], beta_lane, rU, g_j, origin, h, RW, cap)
-
-                        # Ring sums of this lane's row: sum over live positions of w_j (k_p . x) u_p[i].
-                        ring_k = Float32(0.0)
-                        ring_q = Float32(0.0)
-                        if cutlass.const_expr(ring):
-                            for p in cutlass.range_constexpr(cap):
-                                ring_k = ring_k + sWeightedDots[0, p, scratch] * rU[p]
-                                ring_q = ring_q + sWeightedDots[1, p, scratch] * rU[p]
-                        if flush:
-                            if cutlass.const_expr(not mma_flush):
-                                s_k, s_q = row_totals(rRows, lr, RW)
-                        elif cutlass.const_expr(not mma_reads):
-                            s_k, s_q = row_totals(rRows, lr, RW)
-
-                        v_cur = sV[hr0 + lr, st]
-                        u = beta * (v_cur - (gamma * s_k + ring_k))
-                        if lane < RW:
-                            mOut[row, vhead, part * R + i_row] = (gamma * s_q + ring_q + u * kq).to(act)
-                        if flush:
-                            sHeadAmax = None
-                            if cutlass.const_expr(copies.whole_state):
-                                sHeadAmax = sAmax[None, hi, None]
-                            self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, origin, h, sRingK, sK, sUre, sHeadAmax,
-                                                st, mCheckpoint, copy, slot64, vhead, part * R + r0, cw, scratch,
-                                                group_barrier)
-                        else:
-                            if cutlass.const_expr(ring):
-                                if lane < RW:
-                                    mRingU[slot64, pos_h, vhead, part * R + i_row] = u.to(cutlass.Float16)
-                                    if cutlass.const_expr(s.keep_v_beta):
-                                        mRingV[slot64, pos_h, vhead, part * R + i_row] = v_cur.to(act)
-                                # this token's key once per key head, its g (and beta) once per value head
-                                if part == 0 and cw == 0:
-                                    if vhead % rep == 0 and lane < KL:
-                                        for e in cutlass.range_constexpr(vec):
-                                            mRingK[slot64, pos_h, vhead // rep, lane * vec + e] = rK[e].to(act)
-                                    if lane == 0:
-                                        mRingG[slot64, pos_h, vhead] = g
-                                        if cutlass.const_expr(s.keep_v_beta):
-                                            mRingBeta[slot64, pos_h, vhead] = beta
-                        cute.arch.sync_warp()  # the warp's scratch read before the next head writes it
-                    live_items = live_items + 1
-                release_stage(empty, stage)
-                it = it + 1
+        v_cur = sV[hr0 + lr, st]
+        u = beta * (v_cur - (gamma * s_k + ring_k))
+        if lane < RW:
+            mOut[row, vhead, part * R + i_row] = (gamma * s_q + ring_q + u * kq).to(act)
+        if flush:
+            self.fold_and_store(rAcc, rU, rK, u, gamma, w_j, mCheckpoint, copy, sm, w, item, hi)
+        else:
+            if cutlass.const_expr(ring):
+                if lane < RW:
+                    mRingU[slot64, pos_h, vhead, part * R + i_row] = u.to(cutlass.Float16)
+                    if cutlass.const_expr(s.keep_v_beta):
+                        mRingV[slot64, pos_h, vhead, part * R + i_row] = v_cur.to(act)
+                # this token's key once per key head, its g (and beta) once per value head
+                if part == 0 and cw == 0:
+                    if vhead % rep == 0 and lane < KL:
+                        for e in cutlass.range_constexpr(vec):
+                            mRingK[slot64, pos_h, vhead // rep, lane * vec + e] = rK[e].to(act)
+                    if lane == 0:
+                        mRingG[slot64, pos_h, vhead] = g
+                        if cutlass.const_expr(s.keep_v_beta):
+                            mRingBeta[slot64, pos_h, vhead] = beta
 
     @cute.jit
     def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
-                       w_j: Float32, origin: Int32, h: Int32, sRingK, sK: cute.Tensor, sUre, sAmax, stage: Int32,
-                       mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, vhead: Int32, first_row: Int32,
-                       cw: Int32, scratch: Int32, group_barrier: Int32):
-        """A flush of the warp's rows ``first_row ..`` of the head (``rAcc``, fp32, in registers):
+                       w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: GDNPipeSmem, w: ConsumerWarp,
+                       item: StagedItem, hi: Int32):
+        """A flush of the warp's rows of the item's head ``hi`` (``rAcc``, fp32, in registers):
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
         replaced by zero: NaN-safe), stored into the checkpoint and the read copy (RTN; nvfp4's
         state scale from the folded rows of every consumer warp of the group first, which meet at
-        ``group_barrier`` through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in ``fragment_rows``' layout and
-        the fold runs on tensor cores (``fragment_fold``, through the warp's ``scratch`` of ``sUre``)."""
-        s, c = self.shape, self.config
-        cap, K = s.capacity, s.head_k_dim
-        RW, CW = c.rows_per_warp, c.consumer_warps()
-        vec = s.k_vec
-        KL = K // vec
-        act = s.act_dtype
+        the group's named barrier through the head's ``sAmax`` slots). With a tensor-core flush ``rAcc`` is in
+        ``fragment_rows``' layout and the fold runs on tensor cores (``fragment_fold``, through the warp's scratch
+        of ``sUre``)."""
+        s, d = self.shape, self.dims
+        cap, K, RW, CW, vec, KL, act, ring, piece = d.cap, d.K, d.RW, d.CW, d.vec, d.KL, d.act, d.ring, d.piece
         copies = s.copies
-        ring = s.window > 1
-        piece = fragment_piece(s)
+        _, cw, scratch, group_barrier, _, r0, _, _ = w
+        stage, _, vhead, part, slot64, h, origin, _, _, _, _ = item
+        sRingK, sK, sUre, sAmax = sm.sRingK, sm.sK, sm.sUre, None
+        if cutlass.const_expr(copies.whole_state):
+            sAmax = sm.sAmax[None, hi, None]
+        first_row = part * d.R + r0  # the warp's first row of the head
         lane = cute.arch.lane_idx()
-        if cutlass.const_expr(c.tensor_core_flush(s)):
+        if cutlass.const_expr(d.mma_flush):
             rCoefs = cute.make_rmem_tensor((cap,), Float32)
             sKeys, sCoef = None, None
             if cutlass.const_expr(ring):
@@ -1182,7 +1328,7 @@ class GDNPipelinedDecode:
                 if cw == 0:
                     if lane == 0:
                         copy.mStateScale[slot64, vhead] = state_scale
-            if cutlass.const_expr(c.tensor_core_flush(s)):
+            if cutlass.const_expr(d.mma_flush):
                 # the lane's pieces of rows g and g + 8; an nvfp4 block is a lane's piece or two
                 # (fragment_piece), an fp8 block a whole row (flush_fits_tensor_cores): its amax over the quad
                 for half in cutlass.range_constexpr(2):
@@ -1209,14 +1355,11 @@ class GDNPipelinedDecode:
         elements of their q, k (K / 32 each) and v (the item's rows / 32, its heads' one after the
         other) into ``rQ[u]``, ``rK[u]``, ``rV[u]`` (fp32); lane u: (slot, h, origin) of item u
         into ``rInt``, and each head i's (raw gates a and b, A_log, dt_bias) into ``rFloat[None, i]``."""
-        s, c = self.shape, self.config
-        HV, K, R, HI = s.num_v_heads, s.head_k_dim, c.rows_per_item, c.heads_per_item
-        parts = s.head_v_dim // R
-        HVI = HV // HI
-        rep = HV // s.num_k_heads
+        d = self.dims
+        K, R, HI, parts, HVI, rep, PF = d.K, d.R, d.HI, d.parts, d.HVI, d.rep, d.PF
         lane = cute.arch.lane_idx()
         mQ, mK, mV, mA, mB, mALog, mDtBias = token
-        for u in cutlass.range_constexpr(c.prefetch):
+        for u in cutlass.range_constexpr(PF):
             item = cutlass.min(first + u * stride, total - 1)
             row = item // (HVI * parts)
             vhead0 = (item // parts) % HVI * HI
@@ -1231,13 +1374,13 @@ class GDNPipelinedDecode:
                 r = e * 32 + lane  # the item's row r: head r // R, row r % R of its part
                 if r < HI * R:
                     rV[u, e] = mV[row, vhead0 + r // R, part * R + r % R].to(Float32)
-        item = cutlass.min(first + (lane % c.prefetch) * stride, total - 1)
+        item = cutlass.min(first + (lane % PF) * stride, total - 1)
         row = item // (HVI * parts)
         vhead0 = (item // parts) % HVI * HI
         rInt[0] = mSlot[row]
         rInt[1] = Int32(0)
         rInt[2] = Int32(0)
-        if cutlass.const_expr(s.window > 1):
+        if cutlass.const_expr(d.ring):
             rInt[1] = mPlan[row, 1]
             rInt[2] = mPlan[row, 2]
         for i in cutlass.range_constexpr(HI):

@@ -102,6 +102,102 @@ class Mamba2Ring(NamedTuple):
     mPlan: Optional[cute.Tensor]
 
 
+class Mamba2PipeSmem(NamedTuple):
+    """The pipelined decode's shared memory (``Mamba2PipelinedDecode.shared_storage``); None where
+    the shape or config has no such tensor. Per stage (the last mode): the item's state tiles (the
+    fp32 checkpoint's, or the read copy's and its scales), its ring records and keys, this token's
+    activations and the item's scalars; then each consumer warp's B . C of its item's group; a full
+    and an empty mbarrier per stage."""
+
+    sState: Optional[cute.Tensor]
+    sRead: Optional[cute.Tensor]
+    sReadScale: Optional[cute.Tensor]
+    sAmax: Optional[cute.Tensor]
+    sRingX: Optional[cute.Tensor]
+    sKeys: cute.Tensor
+    sX: cute.Tensor
+    sZ: cute.Tensor
+    sC: cute.Tensor
+    sRingDt: cute.Tensor
+    sMetaI: cute.Tensor
+    sMetaF: cute.Tensor
+    sGroupDots: cute.Tensor
+    full: cute.Pointer
+    empty: cute.Pointer
+
+
+class ConsumerWarp(NamedTuple):
+    """A consumer warp's place: its group, its place in the group, its first row of a head, the
+    lane's row in the warp, the warp (of the CTA), the lane."""
+
+    group: Int32
+    warp_in_group: Int32
+    first_row: Int32
+    lane_row: Int32
+    warp: Int32
+    lane: Int32
+
+
+class StagedItem(NamedTuple):
+    """The item a consumer warp computes: its stage, batch row, first head and group; its slot (a
+    live one), ring length h, origin, whether it flushes, and the ring position this token takes."""
+
+    stage: Int32
+    row: Int32
+    head0: Int32
+    group: Int32
+    slot64: Int64
+    h: Int32
+    origin: Int32
+    flush: cutlass.Boolean
+    pos_h: Int32
+
+
+@dataclass(frozen=True)
+class Mamba2PipeDims:
+    """What the kernel's methods derive from (shape, config), once (``pipe_dims``); a plain
+    dataclass, not a NamedTuple, which the DSL would take apart as a tree of values."""
+
+    H: int  # heads
+    P: int  # headdim: a head's rows
+    N: int  # dstate: a row's columns
+    G: int  # groups
+    L: int  # window
+    cap: int  # ring capacity
+    ST: int  # stages
+    PF: int  # the producer's chunk of items
+    HI: int  # an item's heads
+    PI: int  # an item's rows: its heads' tiles one after the other
+    CW: int  # consumer warps of a group
+    RW: int  # a consumer warp's rows
+    vec: int  # a lane's consecutive elements of a row (N / 32)
+    heads_per_group: int
+    items_per_row: int
+    act: type  # activation dtype
+    ring: bool  # L > 1
+    KR: int  # key rows of a stage (key_rows)
+    read: object  # the read copy's CopyFormat, or None
+    box_bytes: int  # an item's TMA box
+    n_rows: int  # rows reduced together (RW padded to a power of two)
+    n_pos: int  # ring positions reduced together (cap padded to a power of two)
+    pos_shift: int  # lane l holds ring position l >> pos_shift after their reduction
+    mma_reads: bool  # a read copy's rows meet C on tensor cores
+
+
+def pipe_dims(shape: Mamba2Shape, config: "Mamba2PipeConfig") -> Mamba2PipeDims:
+    """The ``Mamba2PipeDims`` of a kernel of ``shape`` launched with ``config``."""
+    s, c = shape, config
+    H, P, HI, CW = s.nheads, s.headdim, c.heads_per_item, c.consumer_warps(s)
+    n_pos = pow2_at_least(s.capacity)
+    read = s.copies.read
+    return Mamba2PipeDims(
+        H=H, P=P, N=s.dstate, G=s.ngroups, L=s.window, cap=s.capacity, ST=c.stages, PF=c.prefetch, HI=HI, PI=HI * P,
+        CW=CW, RW=P // CW, vec=s.dstate // 32, heads_per_group=H // s.ngroups, items_per_row=H // HI,
+        act=s.act_dtype, ring=s.window > 1, KR=key_rows(s), read=read, box_bytes=HI * P * s.copies.entry.row_bytes,
+        n_rows=pow2_at_least(P // CW), n_pos=n_pos, pos_shift=5 - (n_pos.bit_length() - 1),
+        mma_reads=read is not None and rows_on_tensor_cores(read, P // CW))
+
+
 @dataclass(frozen=True)
 class Mamba2PipeConfig:
     """Launch configuration of the pipelined decode: ``stages`` items in shared memory per CTA,
@@ -285,6 +381,7 @@ class Mamba2PipelinedDecode:
         self.shape = shape
         self.config = config
         self.consumer_warps = config.consumer_warps(shape)
+        self.dims = pipe_dims(shape, config)
 
     @cute.jit
     def __call__(
@@ -312,12 +409,12 @@ class Mamba2PipelinedDecode:
         mSrSeed: Optional[cute.Tensor],
         stream,
     ):
-        s, c = self.shape, self.config
-        H, P, HI = s.nheads, s.headdim, c.heads_per_item
-        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, HI * P)
+        s, c, d = self.shape, self.config, self.dims
+        H, P, PI = d.H, d.P, d.PI
+        tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, PI)
         tma_ckpt, mCkptTma = tma_state, mStateTma
         if cutlass.const_expr(c.flush_tile):  # a flushing item's checkpoint tiles
-            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, s.dstate, H * P, HI * P)
+            tma_ckpt, mCkptTma = copy_rows_tma(mCheckpoint, d.N, H * P, PI)
         launch(self.kernel(
             tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias),
             mSlot, mOut,
@@ -338,26 +435,9 @@ class Mamba2PipelinedDecode:
         records: Mamba2Ring,
         copy: ReadCopy,
     ):
-        mX, mDt, mA, mB, mC, mD, mZ, mDtBias = token
-        mRingX, mRingB, mRingDt, mPlan = records
-        s, c = self.shape, self.config
-        H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
-        ST = c.stages
-        PF = c.prefetch
-        CW = self.consumer_warps
-        RW = P // CW
-        HI = c.heads_per_item
-        PI = HI * P  # an item's rows: its heads' tiles one after the other
-        vec = N // 32
-        heads_per_group = H // G
-        items_per_row = H // HI
-        act = s.act_dtype
-        ring = L > 1
-        KR = key_rows(s)
-        per16 = 128 // act.width  # act elements per 16-byte cp.async
+        s, d = self.shape, self.dims
+        PF, HI, items_per_row, box_bytes = d.PF, d.HI, d.items_per_row, d.box_bytes
         copies = s.copies
-        read = copies.read
-        box_bytes = PI * copies.entry.row_bytes
 
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -365,7 +445,34 @@ class Mamba2PipelinedDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         num_slots = mCheckpoint.shape[0]
-        total = mX.shape[0] * items_per_row
+        total = token.mX.shape[0] * items_per_row
+        sm = self.shared_storage()
+
+        # While the previous kernel finishes: lane u of the producer asks L2 for the state tile
+        # (the entry copy) of the CTA's item u (by a slot id that may still change: only a
+        # prefetch depends on it).
+        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
+            if (warp == 0) & (lane < PF):
+                item = bid + lane * grid
+                if item < total:
+                    slot = load_past_l1(mSlot, item // items_per_row)
+                    if slot_is_live(slot, num_slots, s.pad_slot_id):
+                        entry = copy.mData if copies.separate else mCheckpoint
+                        prefetch_l2(entry[Int64(slot), (item % items_per_row) * HI, None, None], box_bytes)
+        after_previous_kernel()
+
+        if warp == 0:
+            self.produce(tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, token, mSlot, records, copy, sm, bid,
+                         grid, lane, num_slots, total)
+        else:
+            self.consume(mCheckpoint, mOut, records, copy, sm, bid, grid, warp, lane, num_slots, total)
+
+    @cute.jit
+    def shared_storage(self) -> Mamba2PipeSmem:
+        """The kernel's shared memory (``Mamba2PipeSmem``), its mbarriers initialised."""
+        s, c, d = self.shape, self.config, self.dims
+        N, cap, ST, CW, HI, PI, act, ring, KR, read = d.N, d.cap, d.ST, d.CW, d.HI, d.PI, d.act, d.ring, d.KR, d.read
+        copies = s.copies
 
         # Shared memory, declared once: per stage the item's state tiles (the fp32 checkpoint, or
         # the read copy and its scales; head i's rows from i P), ring records, this token's
@@ -401,255 +508,279 @@ class Mamba2PipelinedDecode:
         sGroupDots = smem.allocate_tensor(Float32, cute.make_layout((GROUP_DOTS, c.consumer_groups * CW)),
                                           byte_alignment=16)
         full, empty = stage_barriers(smem, ST, CW)
+        return Mamba2PipeSmem(sState, sRead, sReadScale, sAmax, sRingX, sKeys, sX, sZ, sC, sRingDt, sMetaI, sMetaF,
+                              sGroupDots, full, empty)
 
-        # While the previous kernel finishes: lane u of the producer asks L2 for the state tile
-        # (the entry copy) of the CTA's item u (by a slot id that may still change: only a
-        # prefetch depends on it).
-        if cutlass.const_expr(programmatic_launch()):  # a plain launch has nothing to overlap
-            if (warp == 0) & (lane < PF):
-                item = bid + lane * grid
+    @cute.jit
+    def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, tma_ckpt: cute.CopyAtom, mCkptTma: cute.Tensor,
+                mCheckpoint: cute.Tensor, token: Mamba2Token, mSlot: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
+                sm: Mamba2PipeSmem, bid: Int32, grid: Int32, lane: Int32, num_slots: Int32, total: Int32):
+        """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
+        mX, mB, mC, mZ = token.mX, token.mB, token.mC, token.mZ
+        mRingX, mRingB, mRingDt, mPlan = records
+        s, c, d = self.shape, self.config, self.dims
+        H, P, N, L, cap, ST, PF, HI, PI, KR = d.H, d.P, d.N, d.L, d.cap, d.ST, d.PF, d.HI, d.PI, d.KR
+        heads_per_group, items_per_row, act, ring, read, box_bytes = (d.heads_per_group, d.items_per_row, d.act,
+                                                                      d.ring, d.read, d.box_bytes)
+        per16 = 128 // act.width  # act elements per 16-byte cp.async
+        copies = s.copies
+        sState, sRead, sReadScale, sRingX, sKeys = sm.sState, sm.sRead, sm.sReadScale, sm.sRingX, sm.sKeys
+        sX, sZ, sC, sRingDt, sMetaI, sMetaF, full, empty = (sm.sX, sm.sZ, sm.sC, sm.sRingDt, sm.sMetaI, sm.sMetaF,
+                                                            sm.full, sm.empty)
+        t_s, t_g = box_partition(tma_state, mStateTma, sState if read is None else sRead, (PI, copies.entry.cols))
+        t_sc, t_gc = t_s, t_g
+        if cutlass.const_expr(c.flush_tile):
+            t_sc, t_gc = box_partition(tma_ckpt, mCkptTma, sState, (PI, N))
+        # key rows past the ring stay zero (published with each stage's first use)
+        first_pad = 1 + cap if ring else 1
+        for st in cutlass.range_constexpr(ST):
+            for r in cutlass.range_constexpr(first_pad, KR):
+                for v in cutlass.range_constexpr(N // 32):
+                    sKeys[r, lane * (N // 32) + v, st] = act(0.0)
+        copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
+        copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        # The producer walks its items in chunks of PF: lane u holds the scalars of the
+        # chunk's item u, and the next chunk's are loaded while this one is issued, so a
+        # load's latency is paid once per chunk behind PF stage waits, not per item.
+        rInt = cute.make_rmem_tensor((3,), Int32)
+        rFloat = cute.make_rmem_tensor((4, HI), Float32)
+        rIntNext = cute.make_rmem_tensor((3,), Int32)
+        rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
+        self.chunk_scalars(bid, grid, total, mSlot, mPlan, token, rInt, rFloat)
+        chunk = Int32(0)
+        for first in cutlass.range(bid, total, grid * PF, unroll=1):
+            self.chunk_scalars(first + grid * PF, grid, total, mSlot, mPlan, token, rIntNext, rFloatNext)
+            for u in cutlass.range_constexpr(PF):
+                item = first + u * grid
                 if item < total:
-                    slot = load_past_l1(mSlot, item // items_per_row)
-                    if slot_is_live(slot, num_slots, s.pad_slot_id):
-                        entry = copy.mData if copies.separate else mCheckpoint
-                        prefetch_l2(entry[Int64(slot), (item % items_per_row) * HI, None, None], box_bytes)
-        after_previous_kernel()
-
-        if warp == 0:
-            # ------------------------------------------------------------ producer
-            t_s, t_g = box_partition(tma_state, mStateTma, sState if read is None else sRead, (PI, copies.entry.cols))
-            t_sc, t_gc = t_s, t_g
-            if cutlass.const_expr(c.flush_tile):
-                t_sc, t_gc = box_partition(tma_ckpt, mCkptTma, sState, (PI, N))
-            # key rows past the ring stay zero (published with each stage's first use)
-            first_pad = 1 + cap if ring else 1
-            for st in cutlass.range_constexpr(ST):
-                for r in cutlass.range_constexpr(first_pad, KR):
-                    for v in cutlass.range_constexpr(N // 32):
-                        sKeys[r, lane * (N // 32) + v, st] = act(0.0)
-            copy16 = cute.make_copy_atom(cpasync.CopyG2SOp(), act, num_bits_per_copy=128)
-            copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            # The producer walks its items in chunks of PF: lane u holds the scalars of the
-            # chunk's item u, and the next chunk's are loaded while this one is issued, so a
-            # load's latency is paid once per chunk behind PF stage waits, not per item.
-            rInt = cute.make_rmem_tensor((3,), Int32)
-            rFloat = cute.make_rmem_tensor((4, HI), Float32)
-            rIntNext = cute.make_rmem_tensor((3,), Int32)
-            rFloatNext = cute.make_rmem_tensor((4, HI), Float32)
-            self.chunk_scalars(bid, grid, total, mSlot, mPlan, token, rInt, rFloat)
-            chunk = Int32(0)
-            for first in cutlass.range(bid, total, grid * PF, unroll=1):
-                self.chunk_scalars(first + grid * PF, grid, total, mSlot, mPlan, token, rIntNext, rFloatNext)
-                for u in cutlass.range_constexpr(PF):
-                    item = first + u * grid
-                    if item < total:
-                        row = item // items_per_row
-                        head0 = (item % items_per_row) * HI  # the item's first head
-                        group = head0 // heads_per_group
-                        stage, phase = stage_of(chunk * PF + u, ST)
-                        slot = cute.arch.shuffle_sync(rInt[0], u)
-                        box = slot * items_per_row + head0 // HI  # its tiles' TMA box
-                        h = cute.arch.shuffle_sync(rInt[1], u)
-                        origin = cute.arch.shuffle_sync(rInt[2], u)
-                        live = slot_is_live(slot, num_slots, s.pad_slot_id)
-                        with_box = live
-                        flush_item = h + 1 >= L
+                    row = item // items_per_row
+                    head0 = (item % items_per_row) * HI  # the item's first head
+                    group = head0 // heads_per_group
+                    stage, phase = stage_of(chunk * PF + u, ST)
+                    slot = cute.arch.shuffle_sync(rInt[0], u)
+                    box = slot * items_per_row + head0 // HI  # its tiles' TMA box
+                    h = cute.arch.shuffle_sync(rInt[1], u)
+                    origin = cute.arch.shuffle_sync(rInt[2], u)
+                    live = slot_is_live(slot, num_slots, s.pad_slot_id)
+                    with_box = live
+                    flush_item = h + 1 >= L
+                    if cutlass.const_expr(read is not None):
+                        with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
+                    acquire_stage(empty, stage, phase)
+                    if live:
+                        slot64 = Int64(slot)
                         if cutlass.const_expr(read is not None):
-                            with_box = live & (h + 1 < L)  # a flush reads the checkpoint, not the copy
-                        acquire_stage(empty, stage, phase)
-                        if live:
-                            slot64 = Int64(slot)
-                            if cutlass.const_expr(read is not None):
-                                self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head0, stage,
-                                                           sReadScale, sMetaF)
-                            # this token's activations and the live ring records (stale positions
-                            # as zeros), 16 bytes a lane; the item's heads are consecutive in each
-                            copy_rows_async(copy16, flat(mX[row, head0, None], PI), flat(sX[None, stage], PI), per16)
-                            if cutlass.const_expr(s.has_z):
-                                copy_rows_async(copy16, flat(mZ[row, head0, None], PI), flat(sZ[None, stage], PI), per16)
-                            copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
-                            copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
-                            if cutlass.const_expr(ring):
-                                gRingX = cute.make_tensor(mRingX[slot64, None, head0, None].iterator,
-                                                          cute.make_layout((cap, PI), stride=(H * P, 1)))
-                                copy_records_async(copy16, gRingX, sRingX[None, None, stage], per16, origin, h)
-                                copy_records_async(copy16, mRingB[slot64, None, group, None],
-                                                   ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
-                                for i in cutlass.range_constexpr(HI):
-                                    copy_records_async(copy4, as_column(mRingDt[slot64, None, head0 + i]),
-                                                       as_column(cute.local_tile(sRingDt[None, i, stage], (cap,), (0,))),
-                                                       1, origin, h)
-                        scalars_f = [[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)] for i in range(HI)]
-                        if lane == 0:
-                            sMetaI[META_SLOT, stage] = slot
-                            sMetaI[META_H, stage] = h
-                            sMetaI[META_ORIGIN, stage] = origin
+                            self.load_read_copy_extras(with_box, mCheckpoint, copy, slot64, head0, stage,
+                                                       sReadScale, sMetaF)
+                        # this token's activations and the live ring records (stale positions
+                        # as zeros), 16 bytes a lane; the item's heads are consecutive in each
+                        copy_rows_async(copy16, flat(mX[row, head0, None], PI), flat(sX[None, stage], PI), per16)
+                        if cutlass.const_expr(s.has_z):
+                            copy_rows_async(copy16, flat(mZ[row, head0, None], PI), flat(sZ[None, stage], PI), per16)
+                        copy_rows_async(copy16, as_row(mB[row, group, None]), as_row(sKeys[0, None, stage]), per16)
+                        copy_rows_async(copy16, as_row(mC[row, group, None]), as_row(sC[None, stage]), per16)
+                        if cutlass.const_expr(ring):
+                            gRingX = cute.make_tensor(mRingX[slot64, None, head0, None].iterator,
+                                                      cute.make_layout((cap, PI), stride=(H * P, 1)))
+                            copy_records_async(copy16, gRingX, sRingX[None, None, stage], per16, origin, h)
+                            copy_records_async(copy16, mRingB[slot64, None, group, None],
+                                               ring_keys(sKeys, stage, cap, N, KR), per16, origin, h)
                             for i in cutlass.range_constexpr(HI):
-                                for k in cutlass.range_constexpr(4):
-                                    sMetaF[k, i, stage] = scalars_f[i][k]
-                        if cutlass.const_expr(c.flush_tile):
-                            if flush_item:  # the checkpoint tiles, to fold on the consumers' side
-                                publish_stage(full, stage, live, PI * N * 4, tma_ckpt, t_gc[None, box], t_sc[None, stage])
-                            else:
-                                publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box],
-                                              t_s[None, stage])
-                        else:
-                            publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box], t_s[None, stage])
-                rInt.store(rIntNext.load())
-                rFloat.store(rFloatNext.load())
-                chunk = chunk + 1
-        else:
-            # ------------------------------------------------------------ consumers
-            # consumer group g computes the CTA's items g, g + G, ...; cw is the warp's place in it
-            g = (warp - 1) // CW
-            cw = (warp - 1) % CW
-            p_warp = cw * RW  # the warp's first row of a head
-            lr = lane % RW
-            n_rows = pow2_at_least(RW)  # rows reduced together (padded to a power of two)
-            n_pos = pow2_at_least(cap)
-            pos_shift = 5 - (n_pos.bit_length() - 1)
-            mma_reads = read is not None and rows_on_tensor_cores(read, RW)
-            it = Int32(0)
-            for item in cutlass.range(bid + g * grid, total, grid * c.consumer_groups, unroll=1):
-                row = item // items_per_row
-                head0 = (item % items_per_row) * HI
-                group = head0 // heads_per_group
-                stage, phase = stage_of(it * c.consumer_groups + g, ST)
-                wait_stage(full, stage, phase)
-                slot = sMetaI[META_SLOT, stage]
-                if slot_is_live(slot, num_slots, s.pad_slot_id):
-                    slot64 = Int64(slot)
-                    h = sMetaI[META_H, stage]
-                    origin = sMetaI[META_ORIGIN, stage]
-                    flush = h + 1 >= L  # h == L only after a speculative commit
-                    pos_h = (origin + h) % cap
-
-                    # The group's quantities, once for the item's heads: this token's B . C, and
-                    # (lane l) B_p . C of ring position p = l >> pos_shift, into the warp's
-                    # sGroupDots.
-                    rC = load_slice(sC[None, stage], lane, vec)
-                    rBa = load_slice(sKeys[0, None, stage], lane, vec)
-                    part = Float32(0.0)
-                    for v in cutlass.range_constexpr(vec):
-                        part = part + rBa[v] * rC[v]
-                    bc_own = warp_sum(part)
+                                copy_records_async(copy4, as_column(mRingDt[slot64, None, head0 + i]),
+                                                   as_column(cute.local_tile(sRingDt[None, i, stage], (cap,), (0,))),
+                                                   1, origin, h)
+                    scalars_f = [[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)] for i in range(HI)]
                     if lane == 0:
-                        sGroupDots[GROUP_DOTS - 1, warp - 1] = bc_own
-                    if cutlass.const_expr(ring):
-                        rPos = cute.make_rmem_tensor((n_pos,), Float32)
-                        rPos.fill(0.0)
-                        for p in cutlass.range_constexpr(cap):
-                            rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
-                            for v in cutlass.range_constexpr(vec):
-                                rPos[p] = rPos[p] + rBp[v] * rC[v]
-                        sGroupDots[lane, warp - 1] = warp_reduce_many(rPos, n_pos)
-                    cute.arch.sync_warp()
-
-                    for i in cutlass.range(HI, unroll=1):
-                        head = head0 + i
-                        p_item = i * P + p_warp  # the warp's first row in the stage
-                        A = sMetaF[META_A, i, stage]
-                        dt_cur = sMetaF[META_DT, i, stage]
-                        if cutlass.const_expr(s.has_dt_bias):
-                            dt_cur = dt_cur + sMetaF[META_DT_BIAS, i, stage]
-                        if cutlass.const_expr(s.dt_softplus):
-                            dt_cur = softplus(dt_cur)
-                        x_raw = sX[p_item + lr, stage]
-                        x_cur = x_raw.to(Float32)
-
-                        # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
-                        dt_rec = Float32(0.0)
-                        if cutlass.const_expr(ring):
-                            dt_rec = sRingDt[(origin + lane) % cap, i, stage]
-                        dt_j, tail = record_values(dt_cur, dt_rec, h, ring)
-                        w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
-                        gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
-
-                        # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
-                        # the same whether or not the row folds (C . S_new expands to it).
-                        # dot_row: lane lr's row of S . C (per-lane partial dots reduced over the warp, or
-                        # a read copy's rows on tensor cores)
-                        rDots = cute.make_rmem_tensor((n_rows,), Float32)
-                        rDots.fill(0.0)
-                        dot_row = Float32(0.0)
-                        if cutlass.const_expr(read is None):
-                            dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
-                        elif flush:
-                            if cutlass.const_expr(c.flush_tile):  # the checkpoint tiles are in the stage
-                                dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
-                            else:  # the dots come with the fold, from the checkpoint's rows
-                                self.flush_next_to_read_copy(rDots, rC, mCheckpoint, copy, slot64, head, i, g, cw, stage,
-                                                             gamma, dt_cur * x_cur, rBa, sKeys, sRingX, w_j, origin, h,
-                                                             sAmax)
-                                dot_row = self.row_total(rDots)
+                        sMetaI[META_SLOT, stage] = slot
+                        sMetaI[META_H, stage] = h
+                        sMetaI[META_ORIGIN, stage] = origin
+                        for i in cutlass.range_constexpr(HI):
+                            for k in cutlass.range_constexpr(4):
+                                sMetaF[k, i, stage] = scalars_f[i][k]
+                    if cutlass.const_expr(c.flush_tile):
+                        if flush_item:  # the checkpoint tiles, to fold on the consumers' side
+                            publish_stage(full, stage, live, PI * N * 4, tma_ckpt, t_gc[None, box], t_sc[None, stage])
                         else:
-                            state_scale = Float32(1.0)
-                            if cutlass.const_expr(read.has_state_scale):
-                                state_scale = sMetaF[READ_STATE_SCALE, i, stage]
-                            if cutlass.const_expr(mma_reads):
-                                sScaleRows = None
-                                if cutlass.const_expr(read.scale_dtype is not None):
-                                    sScaleRows = cute.local_tile(sReadScale[None, None, stage],
-                                                                 (RW, read.scales_per_row), (i * CW + cw, 0))
-                                # C's fragments per head: held through the loop they would spill in the flush paths
-                                rB, factor = vector_b_fragments(read, sC[None, stage], rC)
-                                dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols),
-                                                                             (i * CW + cw, 0)),
-                                                       sScaleRows, rB, 1, state_scale)[0] * factor
-                            else:
-                                for r in cutlass.range_constexpr(RW):
-                                    rS = cute.make_rmem_tensor((vec,), Float32)
-                                    scale = smem_scale(read, sReadScale, stage, p_item + r, lane * vec, state_scale)
-                                    decode_slice(read, cute.local_tile(sRead[p_item + r, None, stage],
-                                                                       (read.per_lane(vec),), (lane,)), scale, rS)
-                                    for v in cutlass.range_constexpr(vec):
-                                        rDots[r] = rDots[r] + rS[v] * rC[v]
-                                dot_row = self.row_total(rDots)
-                        y_row = gamma * dot_row
-                        ring_term = dt_cur * sGroupDots[GROUP_DOTS - 1, warp - 1] * x_cur
-                        if cutlass.const_expr(ring):
-                            j_l = ((lane >> pos_shift) - origin + cap) % cap
-                            bc = cute.arch.shuffle_sync(w_j, j_l) * sGroupDots[lane, warp - 1]
-                            for p in cutlass.range_constexpr(cap):
-                                bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
-                                live_p = (p - origin + cap) % cap < h
-                                x_p = sRingX[p, p_item + lr, stage].to(Float32)
-                                ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
-                        if flush:
-                            # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
-                            # (next to a read copy without flush_tile: folded with the dots above)
-                            if cutlass.const_expr(read is None):
-                                self.fold_tile(mCheckpoint[slot64, head, None, None], sState, stage, sX, sRingX, sKeys,
-                                               rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp, i * P)
-                            elif cutlass.const_expr(c.flush_tile):  # in place, then from the tile into both copies
-                                self.fold_tile(cute.local_tile(sState[None, None, stage], (P, N), (i, 0)), sState, stage,
-                                               sX, sRingX, sKeys, rBa, dt_cur, x_cur, w_j, gamma, origin, h, p_warp,
-                                               i * P)
-                                self.store_folded_tile(sState, stage, mCheckpoint, copy, slot64, head, i, g, cw, sAmax)
-                        else:
-                            if cutlass.const_expr(ring):
-                                # append this token's record (B and dt once per group / head)
-                                if cw == 0:
-                                    if head % heads_per_group == 0:
-                                        rBraw = cute.make_rmem_tensor((vec,), act)
-                                        cute.autovec_copy(cute.local_tile(sKeys[0, None, stage], (vec,), (lane,)), rBraw)
-                                        cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
-                                                                                 (vec,), (lane,)))
-                                    if lane == 0:
-                                        mRingDt[slot64, pos_h, head] = dt_cur
-                        if lane < RW:
-                            y = y_row + ring_term
-                            if cutlass.const_expr(s.has_D):
-                                y = y + sMetaF[META_D, i, stage] * x_cur
-                            if cutlass.const_expr(s.has_z):
-                                z = sZ[p_item + lane, stage].to(Float32)
-                                y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                            mOut[row, head, p_warp + lane] = y.to(act)
-                            if cutlass.const_expr(ring):
-                                if not flush:
-                                    mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
-                release_stage(empty, stage)
-                it = it + 1
+                            publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box],
+                                          t_s[None, stage])
+                    else:
+                        publish_stage(full, stage, with_box, box_bytes, tma_state, t_g[None, box], t_s[None, stage])
+            rInt.store(rIntNext.load())
+            rFloat.store(rFloatNext.load())
+            chunk = chunk + 1
+
+    @cute.jit
+    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
+                sm: Mamba2PipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
+        """A consumer warp: its group's items of the CTA, each from its stage: the group's B . C
+        once, then head by head (``consume_head``), then the stage released."""
+        s, c, d = self.shape, self.config, self.dims
+        L, cap, ST, CW, HI, RW, vec, n_pos = d.L, d.cap, d.ST, d.CW, d.HI, d.RW, d.vec, d.n_pos
+        heads_per_group, items_per_row, ring = d.heads_per_group, d.items_per_row, d.ring
+        sKeys, sC, sMetaI, sGroupDots, full, empty = sm.sKeys, sm.sC, sm.sMetaI, sm.sGroupDots, sm.full, sm.empty
+        # consumer group g computes the CTA's items g, g + G, ...; cw is the warp's place in it
+        g = (warp - 1) // CW
+        cw = (warp - 1) % CW
+        p_warp = cw * RW  # the warp's first row of a head
+        lr = lane % RW
+        it = Int32(0)
+        for item in cutlass.range(bid + g * grid, total, grid * c.consumer_groups, unroll=1):
+            row = item // items_per_row
+            head0 = (item % items_per_row) * HI
+            group = head0 // heads_per_group
+            stage, phase = stage_of(it * c.consumer_groups + g, ST)
+            wait_stage(full, stage, phase)
+            slot = sMetaI[META_SLOT, stage]
+            if slot_is_live(slot, num_slots, s.pad_slot_id):
+                slot64 = Int64(slot)
+                h = sMetaI[META_H, stage]
+                origin = sMetaI[META_ORIGIN, stage]
+                flush = h + 1 >= L  # h == L only after a speculative commit
+                pos_h = (origin + h) % cap
+
+                # The group's quantities, once for the item's heads: this token's B . C, and
+                # (lane l) B_p . C of ring position p = l >> pos_shift, into the warp's
+                # sGroupDots.
+                rC = load_slice(sC[None, stage], lane, vec)
+                rBa = load_slice(sKeys[0, None, stage], lane, vec)
+                part = Float32(0.0)
+                for v in cutlass.range_constexpr(vec):
+                    part = part + rBa[v] * rC[v]
+                bc_own = warp_sum(part)
+                if lane == 0:
+                    sGroupDots[GROUP_DOTS - 1, warp - 1] = bc_own
+                if cutlass.const_expr(ring):
+                    rPos = cute.make_rmem_tensor((n_pos,), Float32)
+                    rPos.fill(0.0)
+                    for p in cutlass.range_constexpr(cap):
+                        rBp = load_slice(sKeys[1 + p, None, stage], lane, vec)
+                        for v in cutlass.range_constexpr(vec):
+                            rPos[p] = rPos[p] + rBp[v] * rC[v]
+                    sGroupDots[lane, warp - 1] = warp_reduce_many(rPos, n_pos)
+                cute.arch.sync_warp()
+
+                for i in cutlass.range(HI, unroll=1):
+                    self.consume_head(mCheckpoint, mOut, records, copy, sm, ConsumerWarp(g, cw, p_warp, lr, warp, lane),
+                                      StagedItem(stage, row, head0, group, slot64, h, origin, flush, pos_h), i, rC, rBa)
+            release_stage(empty, stage)
+            it = it + 1
+
+    @cute.jit
+    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
+                     sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32, rC: cute.Tensor,
+                     rBa: cute.Tensor):
+        """The warp's rows of the item's head ``i``: load (the head's dt, gates and record weights),
+        compute (S . C of the rows, from the read copy or the fp32 tile, the ring term), store (a
+        flush's fold, else the ring's record; the output)."""
+        mRingX, mRingB, mRingDt, _ = records
+        s, c, d = self.shape, self.config, self.dims
+        P, N, cap, CW, RW, vec, heads_per_group, act, ring, read = (d.P, d.N, d.cap, d.CW, d.RW, d.vec, d.heads_per_group,
+                                                                    d.act, d.ring, d.read)
+        n_rows, pos_shift, mma_reads = d.n_rows, d.pos_shift, d.mma_reads
+        _, cw, p_warp, lr, warp, lane = w
+        stage, row, head0, group, slot64, h, origin, flush, pos_h = item
+        sState, sRead, sReadScale = sm.sState, sm.sRead, sm.sReadScale
+        sRingX, sKeys = sm.sRingX, sm.sKeys
+        sX, sZ, sC, sRingDt, sMetaF, sGroupDots = sm.sX, sm.sZ, sm.sC, sm.sRingDt, sm.sMetaF, sm.sGroupDots
+        head = head0 + i
+        p_item = i * P + p_warp  # the warp's first row in the stage
+        A = sMetaF[META_A, i, stage]
+        dt_cur = sMetaF[META_DT, i, stage]
+        if cutlass.const_expr(s.has_dt_bias):
+            dt_cur = dt_cur + sMetaF[META_DT_BIAS, i, stage]
+        if cutlass.const_expr(s.dt_softplus):
+            dt_cur = softplus(dt_cur)
+        x_raw = sX[p_item + lr, stage]
+        x_cur = x_raw.to(Float32)
+
+        # Lane j: record j's dt and weight w_j = dt_j exp(A (sum of later dts)).
+        dt_rec = Float32(0.0)
+        if cutlass.const_expr(ring):
+            dt_rec = sRingDt[(origin + lane) % cap, i, stage]
+        dt_j, tail = record_values(dt_cur, dt_rec, h, ring)
+        w_j = dt_j * cute.math.exp(A * (tail - dt_j), fastmath=False)
+        gamma = cute.math.exp(A * cute.arch.shuffle_sync(tail, 0), fastmath=False)
+
+        # y = gamma (S . C) + dt (B . C) x + sum over live records of w_j (B_j . C) x_j:
+        # the same whether or not the row folds (C . S_new expands to it).
+        # dot_row: lane lr's row of S . C (per-lane partial dots reduced over the warp, or
+        # a read copy's rows on tensor cores)
+        rDots = cute.make_rmem_tensor((n_rows,), Float32)
+        rDots.fill(0.0)
+        dot_row = Float32(0.0)
+        if cutlass.const_expr(read is None):
+            dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
+        elif flush:
+            if cutlass.const_expr(c.flush_tile):  # the checkpoint tiles are in the stage
+                dot_row = self.tile_dot(sState, stage, p_item, rC, rDots)
+            else:  # the dots come with the fold, from the checkpoint's rows
+                self.flush_next_to_read_copy(rDots, rC, rBa, gamma, dt_cur * x_cur, w_j, mCheckpoint, copy, sm, w,
+                                             item, i, head)
+                dot_row = self.row_total(rDots)
+        else:
+            state_scale = Float32(1.0)
+            if cutlass.const_expr(read.has_state_scale):
+                state_scale = sMetaF[READ_STATE_SCALE, i, stage]
+            if cutlass.const_expr(mma_reads):
+                sScaleRows = None
+                if cutlass.const_expr(read.scale_dtype is not None):
+                    sScaleRows = cute.local_tile(sReadScale[None, None, stage],
+                                                 (RW, read.scales_per_row), (i * CW + cw, 0))
+                # C's fragments per head: held through the loop they would spill in the flush paths
+                rB, factor = vector_b_fragments(read, sC[None, stage], rC)
+                dot_row = mma_row_dots(read, cute.local_tile(sRead[None, None, stage], (RW, read.cols),
+                                                             (i * CW + cw, 0)),
+                                       sScaleRows, rB, 1, state_scale)[0] * factor
+            else:
+                for r in cutlass.range_constexpr(RW):
+                    rS = cute.make_rmem_tensor((vec,), Float32)
+                    scale = smem_scale(read, sReadScale, stage, p_item + r, lane * vec, state_scale)
+                    decode_slice(read, cute.local_tile(sRead[p_item + r, None, stage],
+                                                       (read.per_lane(vec),), (lane,)), scale, rS)
+                    for v in cutlass.range_constexpr(vec):
+                        rDots[r] = rDots[r] + rS[v] * rC[v]
+                dot_row = self.row_total(rDots)
+        y_row = gamma * dot_row
+        ring_term = dt_cur * sGroupDots[GROUP_DOTS - 1, warp - 1] * x_cur
+        if cutlass.const_expr(ring):
+            j_l = ((lane >> pos_shift) - origin + cap) % cap
+            bc = cute.arch.shuffle_sync(w_j, j_l) * sGroupDots[lane, warp - 1]
+            for p in cutlass.range_constexpr(cap):
+                bc_p = cute.arch.shuffle_sync(bc, p << pos_shift)
+                live_p = (p - origin + cap) % cap < h
+                x_p = sRingX[p, p_item + lr, stage].to(Float32)
+                ring_term = ring_term + cutlass.select_(live_p, bc_p * x_p, Float32(0.0))
+        if flush:
+            # S = gamma S + dt x B (this token) + sum over live positions of w_j x_j B_j
+            # (next to a read copy without flush_tile: folded with the dots above)
+            if cutlass.const_expr(read is None):
+                self.fold_tile(mCheckpoint[slot64, head, None, None], rBa, dt_cur, x_cur, w_j, gamma, sm, w, item, i)
+            elif cutlass.const_expr(c.flush_tile):  # in place, then from the tile into both copies
+                self.fold_tile(cute.local_tile(sState[None, None, stage], (P, N), (i, 0)), rBa, dt_cur, x_cur, w_j,
+                               gamma, sm, w, item, i)
+                self.store_folded_tile(mCheckpoint, copy, sm, w, item, i, head)
+        else:
+            if cutlass.const_expr(ring):
+                # append this token's record (B and dt once per group / head)
+                if cw == 0:
+                    if head % heads_per_group == 0:
+                        rBraw = cute.make_rmem_tensor((vec,), act)
+                        cute.autovec_copy(cute.local_tile(sKeys[0, None, stage], (vec,), (lane,)), rBraw)
+                        cute.autovec_copy(rBraw, cute.local_tile(mRingB[slot64, pos_h, group, None],
+                                                                 (vec,), (lane,)))
+                    if lane == 0:
+                        mRingDt[slot64, pos_h, head] = dt_cur
+        if lane < RW:
+            y = y_row + ring_term
+            if cutlass.const_expr(s.has_D):
+                y = y + sMetaF[META_D, i, stage] * x_cur
+            if cutlass.const_expr(s.has_z):
+                z = sZ[p_item + lane, stage].to(Float32)
+                y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+            mOut[row, head, p_warp + lane] = y.to(act)
+            if cutlass.const_expr(ring):
+                if not flush:
+                    mRingX[slot64, pos_h, head, p_warp + lane] = x_raw
 
     @cute.jit
     def row_total(self, rDots: cute.Tensor) -> Float32:
@@ -674,13 +805,15 @@ class Mamba2PipelinedDecode:
         return self.row_total(rDots)
 
     @cute.jit
-    def head_state_scale(self, amax: Float32, sAmax: cute.Tensor, stage: Int32, copy: ReadCopy, slot64: Int64,
-                         head: Int32, i: Int32, g: Int32, cw: Int32) -> Float32:
-        """nvfp4's state scale of the head (the item's ``i``-th) from each consumer warp's ``amax``,
-        reduced over group ``g``'s warps at its named barrier (a slot per warp and head: a warp
-        may go on to the next head before the others have read this one's); consumer warp 0
-        stores it."""
+    def head_state_scale(self, amax: Float32, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem,
+                         i: Int32, head: Int32) -> Float32:
+        """nvfp4's state scale of the item's ``i``-th head (``head``) from each consumer warp's
+        ``amax``, reduced over the warp's group at its named barrier (a slot per warp and head: a
+        warp may go on to the next head before the others have read this one's); the group's
+        warp 0 stores it."""
         CW = self.consumer_warps
+        g, cw = w.group, w.warp_in_group
+        stage, slot64, sAmax = item.stage, item.slot64, sm.sAmax
         state_scale = warps_state_scale(amax, sAmax[None, i, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
         if cw == 0:
             if cute.arch.lane_idx() == 0:
@@ -688,13 +821,15 @@ class Mamba2PipelinedDecode:
         return state_scale
 
     @cute.jit
-    def fold_tile(self, mDst: cute.Tensor, sState: cute.Tensor, stage: Int32, sX: cute.Tensor, sRingX, sKeys: cute.Tensor,
-                  rBa: cute.Tensor, dt_cur: Float32, x_cur: Float32, w_j: Float32, gamma: Float32, origin: Int32,
-                  h: Int32, p_warp: Int32, head_row: Int32):
-        """A flush of the warp's rows p_warp .. of a head (its tile from row ``head_row`` of the
-        stage's tiles in ``stage``) into ``mDst`` (P, N): the checkpoint, or the tile itself (each
-        element is read before it is written, by the same lane): on tensor cores a 16-row tile at
-        a time (``fold_into_checkpoint``), or on CUDA cores."""
+    def fold_tile(self, mDst: cute.Tensor, rBa: cute.Tensor, dt_cur: Float32, x_cur: Float32, w_j: Float32,
+                  gamma: Float32, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32):
+        """A flush of the warp's rows of the item's ``i``-th head (its tile in the item's stage) into
+        ``mDst`` (P, N): the checkpoint, or the tile itself (each element is read before it is
+        written, by the same lane): on tensor cores a 16-row tile at a time
+        (``fold_into_checkpoint``), or on CUDA cores."""
+        head_row = i * self.shape.headdim  # the head's first row in the stage
+        sState, sX, sRingX, sKeys = sm.sState, sm.sX, sm.sRingX, sm.sKeys
+        stage, origin, h, p_warp = item.stage, item.origin, item.h, w.first_row
         s, c = self.shape, self.config
         P, N, cap = s.headdim, s.dstate, s.capacity
         RW = P // self.consumer_warps
@@ -721,11 +856,12 @@ class Mamba2PipelinedDecode:
                 cute.autovec_copy(rAcc[r, None], cute.local_tile(mDst[p_warp + r, None], (vec,), (lane,)))
 
     @cute.jit
-    def store_folded_tile(self, sState: cute.Tensor, stage: Int32, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                          slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, sAmax):
-        """Consumer warp ``cw`` of group ``g``, after ``fold_tile`` into the stage: its folded rows
-        of the item's ``i``-th head into the checkpoint and the read copy (RTN), coalesced from the
-        tile; nvfp4's state scale first, reduced over the group's consumer warps."""
+    def store_folded_tile(self, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp,
+                          item: StagedItem, i: Int32, head: Int32):
+        """A consumer warp after ``fold_tile`` into the stage: its folded rows of the item's ``i``-th
+        head (``head``) into the checkpoint and the read copy (RTN), coalesced from the tile;
+        nvfp4's state scale first, reduced over the group's consumer warps."""
+        sState, stage, slot64, cw = sm.sState, item.stage, item.slot64, w.warp_in_group
         s = self.shape
         copies = s.copies
         CW = self.consumer_warps
@@ -740,22 +876,23 @@ class Mamba2PipelinedDecode:
             amax = Float32(0.0)
             for r in cutlass.range_constexpr(RW):
                 amax = max_nan(amax, lane_amax(load_slice(sState[p_item + r, None, stage], lane, vec)))
-            state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
+            state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
         for r in cutlass.range_constexpr(RW):
             store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
                          copy.mScale, slot64, head, p_warp + r, state_scale, Uint32(0))
 
     @cute.jit
-    def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, mCheckpoint: cute.Tensor, copy: ReadCopy,
-                                slot64: Int64, head: Int32, i: Int32, g: Int32, cw: Int32, stage: Int32, gamma: Float32,
-                                own: Float32, rBa: cute.Tensor, sKeys: cute.Tensor, sRingX, w_j: Float32, origin: Int32,
-                                h: Int32, sAmax):
-        """Consumer warp ``cw`` of group ``g``, a flushing item next to a read copy: its rows of the checkpoint
-        of the item's ``i``-th head
-        (prefetched into L2 by the producer) a chunk at a time from global memory into registers,
-        their dots with C into ``rDots``, folded (``fold_rows``) and stored into the checkpoint and
-        the read copy (RTN). nvfp4's state scale needs the whole head first: one pass folds for
-        the amax (reduced over the consumer warps), a second loads, folds and stores again."""
+    def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, rBa: cute.Tensor, gamma: Float32,
+                                own: Float32, w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem,
+                                w: ConsumerWarp, item: StagedItem, i: Int32, head: Int32):
+        """A consumer warp, a flushing item next to a read copy: its rows of the checkpoint of the
+        item's ``i``-th head (``head``; prefetched into L2 by the producer) a chunk at a time from
+        global memory into registers, their dots with C into ``rDots``, folded (``fold_rows``) and
+        stored into the checkpoint and the read copy (RTN). nvfp4's state scale needs the whole
+        head first: one pass folds for the amax (reduced over the consumer warps), a second loads,
+        folds and stores again."""
+        sKeys, sRingX, cw = sm.sKeys, sm.sRingX, w.warp_in_group
+        stage, slot64, origin, h = item.stage, item.slot64, item.origin, item.h
         s = self.shape
         copies = s.copies
         P, N, cap = s.headdim, s.dstate, s.capacity
@@ -790,7 +927,7 @@ class Mamba2PipelinedDecode:
                         store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
-                state_scale = self.head_state_scale(amax, sAmax, stage, copy, slot64, head, i, g, cw)
+                state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
 
     @cute.jit
     def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head0: Int32,

@@ -69,7 +69,7 @@ def _cache_tensors(cache):
 
 
 def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, scale=None, config=None,
-              poison_ring=False):
+              poison_ring=False, aligned=False):
     H, HV, K, V = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -99,7 +99,8 @@ def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, sc
     out_tol = 3e-3 if dtype == torch.float32 else 1.5e-2
     state_tol = 3e-3 if dtype == torch.float32 else 2e-2  # stored keys are rounded to dtype
 
-    warm = window - 1  # row r is live in the first r % window warm-up steps only
+    # Stagger: row r is live in the first r % window warm-up steps only; aligned rows flush together.
+    warm = 0 if aligned else window - 1
     for step in range(warm + windows * window + 1):
         live = ~pad_rows.clone()
         if step < warm:
@@ -114,6 +115,11 @@ def _run_case(shape, batch, dtype, window, windows=3, pad_slot_id=-1, seed=0, sc
         ck_before = cache.checkpoint[slots.long()].clone()
         flushed = live & (h_before + 1 == window)
         still = live & ~flushed
+        if aligned and step % window == window - 1:  # every live row but the out-of-pool one's flushes
+            in_step = live.clone()
+            if oob_row is not None:
+                in_step[oob_row] = False
+            assert torch.equal(flushed & in_step, in_step), f"step {step}: aligned rows must flush together"
         fl = flushed.nonzero().flatten()
         if window > 1 and fl.numel():
             rec = _stored_records(cache, slots[fl], window - 1)
@@ -213,6 +219,15 @@ def test_pipelined_items_of_several_value_heads(window, rows_per_warp):
     _run_case("narrow", 9, torch.float32, window, seed=window + 3,
               config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=32, rows_per_warp=rows_per_warp, prefetch=1,
                                    heads_per_item=3))
+
+
+@pytest.mark.xdist_group("gpu_memory")
+@pytest.mark.parametrize("batch", [3, 511])
+def test_tails_with_every_row_flushing_at_once(batch, decode_kernel):
+    """Tails of the persistent grid's walk (batch 3: fewer items than CTAs; 511: a last lap partly
+    empty) with every row at the same ring position, so each window's last step folds every live
+    row at once (the heaviest step, no non-flush item to hide behind)."""
+    _run_case("qwen3.5-4b", batch, torch.bfloat16, 16, windows=2, seed=batch, aligned=True)
 
 
 @pytest.mark.xdist_group("gpu_memory")

@@ -44,7 +44,7 @@ def _inputs(b, H, P, N, G, dtype, device, gen, with_z):
 
 
 def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=-1, seed=0, poison_ring=False,
-              config=None):
+              config=None, aligned=False):
     H, P, N, G = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -73,8 +73,8 @@ def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=
     oob_row = batch // 2 if batch > 2 else None
     tol = 2e-5 if dtype == torch.float32 else 1e-2
 
-    # Stagger: row r is live in the first r % window warm-up steps only.
-    warm = window - 1
+    # Stagger: row r is live in the first r % window warm-up steps only; aligned rows flush together.
+    warm = 0 if aligned else window - 1
     total = warm + windows * window + 1
     for step in range(total):
         live = ~pad_rows.clone()
@@ -98,6 +98,11 @@ def _run_case(shape, batch, dtype, window, with_z=False, windows=3, pad_slot_id=
         assert torch.all(out[~live] == 777.0), "pad rows' outputs must be untouched"
         flushed = live & (h_before + 1 == window)
         still = live & ~flushed
+        if aligned and step % window == window - 1:  # every live row but the out-of-pool one's flushes
+            in_step = live.clone()
+            if oob_row is not None:
+                in_step[oob_row] = False
+            assert torch.equal(flushed & in_step, in_step), f"step {step}: aligned rows must flush together"
         ck = cache.checkpoint[slots.long()]
         if flushed.any():
             assert rel_err(ck[flushed], ref_state[flushed], allow_zero=True) < 2e-5, \
@@ -168,6 +173,15 @@ def test_pipelined_items_of_several_heads(heads, groups, rows, mma_fold, window)
     two = Mamba2PipeConfig(stages=2, ctas=8, mma_fold=mma_fold, consumer_groups=groups, rows_per_warp=rows,
                            heads_per_item=2)  # four 64-row fp32 tiles a stage would not fit twice
     _run_case("super", 9, torch.float32, window, with_z=True, seed=window + 1, config=two)
+
+
+@pytest.mark.xdist_group("gpu_memory")
+@pytest.mark.parametrize("batch", [3, 511])
+def test_tails_with_every_row_flushing_at_once(batch, decode_kernel):
+    """Tails of the persistent grid's walk (batch 3: fewer items than CTAs; 511: a last lap partly
+    empty) with every row at the same ring position, so each window's last step folds every live
+    row at once (the heaviest step, no non-flush item to hide behind)."""
+    _run_case("nano4b", batch, torch.bfloat16, 16, windows=2, seed=batch, aligned=True)
 
 
 @pytest.mark.xdist_group("gpu_memory")

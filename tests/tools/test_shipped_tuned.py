@@ -36,10 +36,7 @@ def _untuned_buckets(t):
     with launch.use_platform(_h200()):
         for b in tuning.BATCH_BUCKETS:
             config, tuned = launch.picked_config(t.kernel, t.shape(), b, t.num_drafts)
-            try:
-                own_config = dataclasses.replace(config, **own[b]) if b in own else None
-            except TypeError:  # the other kernel class's entry
-                own_config = None
+            own_config = launch.config_from_entry(type(config), own[b]) if b in own else None
             if not tuned or config != own_config:
                 missing.append(b)
     return missing

@@ -104,6 +104,18 @@ def picked_config(kernel: Kernel, shape, batch: int, num_drafts: int = 0):
     return picked, picked is not default
 
 
+def config_from_entry(config_class, fields: dict):
+    """The config of class `config_class` a tuned entry's `fields` make, or None where the entry
+    has a field the class lacks (a stale file, or the other decode kernel's entry: a tile one where
+    the pipelined kernel is the default, or the reverse). A field the entry lacks (one added to the
+    class after it was tuned) takes the class's default, not the analytical default's: that may be
+    a value the entry's other fields cannot take (two heads an item with a chunk of 4)."""
+    try:
+        return config_class(**fields)
+    except TypeError:
+        return None
+
+
 def _tuned_or_default(default, kernel: Kernel, shape, num_drafts: int, bucket: int):
     """The tuned launch config of `kernel` for `shape`, T = `num_drafts` and this batch bucket
     on the active platform if one is cached and the kernel's check takes it, else `default`."""
@@ -112,13 +124,8 @@ def _tuned_or_default(default, kernel: Kernel, shape, num_drafts: int, bucket: i
     fields = tuning.tuned_fields(kernel.name, shape, num_drafts, bucket, active_platform())
     if fields is None:
         return default
-    try:
-        # a field the entry lacks (one added to the class after it was tuned) takes the class's
-        # default, not the analytical default's: that may be a value the entry's other fields
-        # cannot take (two heads an item with a chunk of 4)
-        tuned = type(default)(**fields)
-    except TypeError:  # a field the default's config class does not have: a stale file, or the other
-        # decode kernel's entry (a tile one where the pipelined kernel is the default, or the reverse)
+    tuned = config_from_entry(type(default), fields)
+    if tuned is None:
         return default
     try:
         reason = kernel.check(shape, tuned, num_drafts)
