@@ -1,5 +1,6 @@
 """Checks shared by the Mamba-2 and GDN cache tests (tests/cache/test_mamba2_cache.py,
-test_gdn_cache.py); slot_equal also serves tests/reference/test_spec_reference.py."""
+test_gdn_cache.py); slot_equal also serves tests/reference/test_spec_reference.py, and
+check_aligned_flush the kernels' GPU tests (tests/kernels/test_*_gpu.py)."""
 
 import pytest
 import torch
@@ -258,3 +259,14 @@ class DecodeDriver:
         for s, off in zip(active_slots, offsets):
             assert flushes[s] == (total_steps - off) // L, f"slot {s} flushed {flushes[s]} times"
         return flushes
+
+
+def check_aligned_flush(step, window, live, flushed, oob_row):
+    """Rows decoded from the same ring position (no staggered warm-up): at each window's last step
+    every live row flushes but the out-of-pool one (it skips steps, so its position drifts)."""
+    if step % window != window - 1:
+        return
+    in_step = live.clone()
+    if oob_row is not None:
+        in_step[oob_row] = False
+    assert torch.equal(flushed & in_step, in_step), f"step {step}: aligned rows must flush together"

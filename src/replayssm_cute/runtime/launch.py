@@ -11,7 +11,6 @@ T, batch bucket, config): after the first call of a signature a call costs one d
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
