@@ -413,10 +413,17 @@ def smem_scale(fmt: cutlass.Constexpr[CopyFormat], sScale, warp: Int32, row: Int
     return scale
 
 
+def scale_per_row(fmt: CopyFormat) -> bool:
+    """Whether a row of ``fmt`` has one scale (fp8 with K up to a scale block): its decoded
+    codes' dot with a vector then takes the scale once, after the dot (``decode_slice`` with
+    ``scale`` None), rather than once per element."""
+    return fmt.name == "fp8" and fmt.block_k == fmt.K
+
+
 @cute.jit
-def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Float32, out: cute.Tensor):
+def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale, out: cute.Tensor):
     """``out`` (vec,) fp32 <- the lane's stored slice ``src`` (vec storage elements; vec / 2 bytes
-    for nvfp4) times ``scale``."""
+    for nvfp4) times ``scale``; with ``scale`` None (fp8) the codes' values alone."""
     vec = cute.size(out)
     if cutlass.const_expr(fmt.name == "fp32"):
         cute.autovec_copy(src, out)
@@ -430,8 +437,12 @@ def decode_slice(fmt: cutlass.Constexpr[CopyFormat], src: cute.Tensor, scale: Fl
         cute.autovec_copy(src, rB)
         for v in cutlass.range_constexpr(vec // 2):
             lo, hi = _e4m3_pair_values(Int32(rB[2 * v]) | (Int32(rB[2 * v + 1]) << 8))
-            out[2 * v] = _mul_rn(lo, scale)
-            out[2 * v + 1] = _mul_rn(hi, scale)
+            if cutlass.const_expr(scale is None):
+                out[2 * v] = lo
+                out[2 * v + 1] = hi
+            else:
+                out[2 * v] = _mul_rn(lo, scale)
+                out[2 * v + 1] = _mul_rn(hi, scale)
     else:
         rB = cute.make_rmem_tensor((vec // 2,), Uint8)
         cute.autovec_copy(src, rB)

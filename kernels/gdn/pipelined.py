@@ -90,7 +90,7 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, MET
                         copy_records_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
                         residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots, ring_coefficients,
-                        share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
+                        scale_per_row, share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
                         warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
@@ -1216,7 +1216,9 @@ class GDNPipelinedDecode:
                         cute.autovec_copy(cute.local_tile(sState[hr0 + r, None, st], (vec,), (lane,)),
                                           rS)
                     else:
-                        scale = smem_scale(read, sReadScale, st, hr0 + r, lane * vec, state_scale)
+                        scale = None  # a row's one scale is taken after its dots (row_totals below)
+                        if cutlass.const_expr(not scale_per_row(read)):
+                            scale = smem_scale(read, sReadScale, st, hr0 + r, lane * vec, state_scale)
                         decode_slice(read, cute.local_tile(sState[hr0 + r, None, st],
                                                            (read.per_lane(vec),), (lane,)), scale, rS)
                     for e in cutlass.range_constexpr(vec):
@@ -1241,6 +1243,9 @@ class GDNPipelinedDecode:
                 s_k, s_q = row_totals(rRows, lr, RW)
         elif cutlass.const_expr(not mma_reads):
             s_k, s_q = row_totals(rRows, lr, RW)
+            if cutlass.const_expr(read is not None and scale_per_row(read)):
+                row_scale = smem_scale(read, sReadScale, st, hr0 + lr, Int32(0), Float32(1.0))
+                s_k, s_q = s_k * row_scale, s_q * row_scale
 
         v_cur = sV[hr0 + lr, st]
         u = beta * (v_cur - (gamma * s_k + ring_k))

@@ -69,8 +69,8 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META
                         ReadCopy, acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
                         copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage,
                         release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, smem_scale,
-                        store_copies, vector_b_fragments, warps_state_scale)
+from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, scale_per_row,
+                        smem_scale, store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Shape, rows_on_tensor_cores
 
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
@@ -734,12 +734,16 @@ class Mamba2PipelinedDecode:
             else:
                 for r in cutlass.range_constexpr(RW):
                     rS = cute.make_rmem_tensor((vec,), Float32)
-                    scale = smem_scale(read, sReadScale, stage, p_item + r, lane * vec, state_scale)
+                    scale = None  # a row's one scale is taken after its dot (below)
+                    if cutlass.const_expr(not scale_per_row(read)):
+                        scale = smem_scale(read, sReadScale, stage, p_item + r, lane * vec, state_scale)
                     decode_slice(read, cute.local_tile(sRead[p_item + r, None, stage],
                                                        (read.per_lane(vec),), (lane,)), scale, rS)
                     for v in cutlass.range_constexpr(vec):
                         rDots[r] = rDots[r] + rS[v] * rC[v]
                 dot_row = self.row_total(rDots)
+                if cutlass.const_expr(scale_per_row(read)):
+                    dot_row = dot_row * smem_scale(read, sReadScale, stage, p_item + lr, Int32(0), Float32(1.0))
         y_row = gamma * dot_row
         ring_term = dt_cur * sGroupDots[GROUP_DOTS - 1, warp - 1] * x_cur
         if cutlass.const_expr(ring):
