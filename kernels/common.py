@@ -255,24 +255,26 @@ def record_values(current: Float32, recorded: Float32, h: Int32, ring: cutlass.C
 
 
 @cute.jit
-def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int]) -> Float32:
-    """Sum each of n per-lane values (a power of two up to 32) over the warp in n - 1 + 5 - log2(n)
-    shuffles instead of 5 n: every step halves the values a lane carries and trades the other
-    half with its partner. Lane l returns the total of value ``l >> (5 - log2(n))``; ``vals`` is
-    clobbered."""
+def warp_reduce_many(vals: cute.Tensor, n: cutlass.Constexpr[int], lanes: cutlass.Constexpr[int] = 32) -> Float32:
+    """Sum each of n per-lane values (a power of two up to ``lanes``) over each group of ``lanes``
+    consecutive lanes (a power of two; the warp by default) in n - 1 + log2(lanes) - log2(n)
+    shuffles instead of n log2(lanes): every step halves the values a lane carries and trades the
+    other half with its partner. Lane l returns its group's total of value
+    ``(l % lanes) >> (log2(lanes) - log2(n))``; ``vals`` is clobbered."""
     m = n.bit_length() - 1
+    top = lanes >> 1  # the first partner's offset
     lane = cute.arch.lane_idx()
     for s in cutlass.range_constexpr(m):
         half = n >> (s + 1)
-        offset = 16 >> s
+        offset = top >> s
         upper = (lane & offset) != 0
         for i in cutlass.range_constexpr(half):
             send = cutlass.select_(upper, vals[i], vals[i + half])
             keep = cutlass.select_(upper, vals[i + half], vals[i])
             vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=offset)
     total = vals[0]
-    for s in cutlass.range_constexpr(5 - m):
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=(16 >> m) >> s)
+    for s in cutlass.range_constexpr(lanes.bit_length() - 1 - m):
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=(top >> m) >> s)
     return total
 
 

@@ -97,6 +97,7 @@ from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
 from .decode import rederived_by_position
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
+ROW_LANES = (8, 16, 32)  # lanes sharing a state row in the CUDA-core row dots (GDNPipeConfig.row_lanes)
 META = 8  # scalars of an item staged by the producer (the fp32 ones per value head)
 META_G, META_BETA, META_KQ = 0, 1, 2  # its fp32 slots: the gates, k . q (head 0's) and READ_STATE_SCALE (nvfp4's)
 # The default's stage count where fewer stages than fit were measured faster: an fp8 read copy
@@ -180,6 +181,66 @@ def row_totals(rRows: cute.Tensor, lr: Int32, rows_per_warp: cutlass.Constexpr[i
     rows = warp_reduce_many(rRows, 2 * rows_per_warp)
     shift = 5 - (2 * rows_per_warp).bit_length() + 1
     return (cute.arch.shuffle_sync(rows, (2 * lr) << shift), cute.arch.shuffle_sync(rows, (2 * lr + 1) << shift))
+
+
+def row_piece(shape: GDNShape, row_lanes: int) -> int:
+    """The consecutive elements of a row a lane loads at once in ``grouped_row_dots``: 16 bytes
+    of the staged rows, or its whole share where that is less."""
+    entry = shape.copies.entry
+    return min(16 * 8 // entry.storage.width, shape.head_k_dim // row_lanes)
+
+
+@cute.jit
+def grouped_row_dots(read: cutlass.Constexpr, sRows: cute.Tensor, sReadScale, stage: Int32, sK: cute.Tensor,
+                     sQ: cute.Tensor, first_row: Int32, rows: cutlass.Constexpr[int], lanes: cutlass.Constexpr[int],
+                     piece: cutlass.Constexpr[int]):
+    """(S k, S q) of the warp's row ``first_row + lane % rows`` of the staged rows ``sRows``
+    (rows, cols; the fp32 checkpoint's, or an fp16 / fp8 read copy's with its row scales
+    ``sReadScale`` of stage ``stage``), on CUDA cores with ``lanes`` lanes to a row: the warp takes
+    32 / lanes rows at a time, lane t of a row's group its pieces t, t + lanes, ... of ``piece``
+    elements (a group reads whole 16-byte bank rows), and each group sums its 2 rows / (32 /
+    lanes) partial dots over its own lanes (``warp_reduce_many``). An fp8 row's one scale is
+    taken after its dots."""
+    lane = cute.arch.lane_idx()
+    K = cute.size(sK)
+    pieces = K // (lanes * piece)  # a lane's pieces of a row
+    group_rows = 32 // lanes  # rows a pass takes
+    passes = rows // group_rows
+    g, t = lane // lanes, lane % lanes
+    rK = cute.make_rmem_tensor((pieces * piece,), Float32)
+    rQ = cute.make_rmem_tensor((pieces * piece,), Float32)
+    for j in cutlass.range_constexpr(pieces):
+        for e in cutlass.range_constexpr(piece):
+            rK[j * piece + e] = sK[(j * lanes + t) * piece + e]
+            rQ[j * piece + e] = sQ[(j * lanes + t) * piece + e]
+    rDots = cute.make_rmem_tensor((2 * passes,), Float32)
+    for p in cutlass.range_constexpr(passes):
+        row = first_row + p * group_rows + g
+        dot_k = Float32(0.0)
+        dot_q = Float32(0.0)
+        for j in cutlass.range_constexpr(pieces):
+            rS = cute.make_rmem_tensor((piece,), Float32)
+            if cutlass.const_expr(read is None):
+                cute.autovec_copy(cute.local_tile(sRows[row, None], (piece,), (j * lanes + t,)), rS)
+            else:
+                decode_slice(read, cute.local_tile(sRows[row, None], (read.per_lane(piece),), (j * lanes + t,)), None,
+                             rS)
+            for e in cutlass.range_constexpr(piece):
+                dot_k = dot_k + rS[e] * rK[j * piece + e]
+                dot_q = dot_q + rS[e] * rQ[j * piece + e]
+        rDots[2 * p] = dot_k
+        rDots[2 * p + 1] = dot_q
+    n = 2 * passes
+    total = warp_reduce_many(rDots, n, lanes)  # lane t of group g: value t >> shift of the group's rows
+    shift = (lanes.bit_length() - 1) - (n.bit_length() - 1)
+    lr = lane % rows
+    pass_r, group_r = lr // group_rows, lr % group_rows  # row lr's pass and group
+    s_k = cute.arch.shuffle_sync(total, group_r * lanes + ((2 * pass_r) << shift))
+    s_q = cute.arch.shuffle_sync(total, group_r * lanes + ((2 * pass_r + 1) << shift))
+    if cutlass.const_expr(read is not None and scale_per_row(read)):
+        row_scale = smem_scale(read, sReadScale, stage, first_row + lr, Int32(0), Float32(1.0))
+        s_k, s_q = s_k * row_scale, s_q * row_scale
+    return s_k, s_q
 
 
 @cute.jit
@@ -565,6 +626,8 @@ class GDNPipeDims:
     piece: int  # fragment_piece
     kq_ups: tuple  # kq_fragment_scales
     box_bytes: int  # an item's TMA box
+    row_lanes: int  # lanes sharing a state row in the CUDA-core row dots
+    row_piece: int  # a lane's consecutive elements of a row there (grouped_row_dots)
 
 
 def pipe_dims(shape: GDNShape, config: "GDNPipeConfig") -> GDNPipeDims:
@@ -578,7 +641,8 @@ def pipe_dims(shape: GDNShape, config: "GDNPipeConfig") -> GDNPipeDims:
         KL=K // s.k_vec, rep=s.num_v_heads // s.num_k_heads, act=s.act_dtype, ring=s.window > 1, read=s.copies.read,
         entry=s.copies.entry, mma_reads=c.tensor_core_reads(s), mma_flush=mma_flush,
         flush_rows=(2, K // 4) if mma_flush else (RW, s.k_vec), piece=fragment_piece(s),
-        kq_ups=kq_fragment_scales(s.q_scale), box_bytes=HI * R * s.copies.entry.row_bytes)
+        kq_ups=kq_fragment_scales(s.q_scale), box_bytes=HI * R * s.copies.entry.row_bytes, row_lanes=c.row_lanes,
+        row_piece=row_piece(s, c.row_lanes))
 
 
 @dataclass(frozen=True)
@@ -596,7 +660,10 @@ class GDNPipeConfig:
     ``heads_per_item`` consecutive value heads of one key head per item (whole heads): the key
     head's work (k and q normalised, the ring keys staged, their dots with k and q) is done once
     for them, and a stage holds their rows (one TMA box), so that a read copy's small rows keep
-    more bytes in flight."""
+    more bytes in flight; ``row_lanes``: the lanes that share a state row in a non-flushing
+    item's row dots on CUDA cores (``grouped_row_dots``): 32 (each lane a slice of every row of the
+    warp, reduced over the warp), or 8 / 16 (each lane a longer slice of fewer rows: fewer partial
+    dots to reduce, over fewer lanes)."""
 
     stages: int = 4
     ctas: int = 132
@@ -608,6 +675,7 @@ class GDNPipeConfig:
     mma_dots: bool = True
     mma_flush: bool = True
     heads_per_item: int = 1
+    row_lanes: int = 32
 
     def tensor_core_flush(self, shape: GDNShape) -> bool:
         return self.mma_flush and flush_fits_tensor_cores(shape, self.rows_per_warp)
@@ -619,6 +687,21 @@ class GDNPipeConfig:
         """Elements after each staged ring key: only the tensor-core flush's operand loads gain
         from it (elsewhere it cost the fp32 flush 3%)."""
         return RING_KEY_PAD if self.tensor_core_flush(shape) else 0
+
+    def row_lanes_check(self, shape: GDNShape) -> Optional[str]:
+        """Why ``row_lanes`` cannot serve ``shape``, or None."""
+        if self.row_lanes not in ROW_LANES:
+            return f"row_lanes {self.row_lanes}: expected one of {ROW_LANES}"
+        if self.row_lanes == 32:
+            return None
+        read = shape.copies.read
+        if self.tensor_core_reads(shape):
+            return f"row_lanes {self.row_lanes}: the read copy's rows are on tensor cores (mma_dots)"
+        if read is not None and not (read.name == "fp16" or scale_per_row(read)):
+            return f"row_lanes {self.row_lanes}: a {read.name} read copy's rows take 32 lanes (scales per block)"
+        if shape.head_k_dim % (self.row_lanes * row_piece(shape, self.row_lanes)):
+            return f"row_lanes {self.row_lanes}: head_k_dim {shape.head_k_dim} is not a whole number of pieces a lane"
+        return None
 
     def consumer_warps(self) -> int:
         """An item's consumer warps (one group's)."""
@@ -654,7 +737,8 @@ class GDNPipeConfig:
 
     def key(self):
         return ("pipe", self.stages, self.ctas, self.rows_per_item, self.rows_per_warp, self.prefetch,
-                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots, self.mma_flush, self.heads_per_item)
+                self.consumer_groups, self.min_ctas_per_sm, self.mma_dots, self.mma_flush, self.heads_per_item,
+                self.row_lanes)
 
     def check(self, shape: GDNShape) -> Optional[str]:
         V, K = shape.head_v_dim, shape.head_k_dim
@@ -685,6 +769,9 @@ class GDNPipeConfig:
             return reason
         if shape.capacity > MAX_CAPACITY:
             return f"ring capacity {shape.capacity} (window + drafts) above {MAX_CAPACITY} (one lane per record)"
+        reason = self.row_lanes_check(shape)
+        if reason is not None:
+            return reason
         if shape.read_copy is not None:
             reason = shape.copies.check(shape.k_vec, self.rows_per_item, V)
             if reason is not None:
@@ -1209,6 +1296,9 @@ class GDNPipelinedDecode:
                                     sScaleRows, rB, 2, state_scale)
                 s_k = cute.arch.shuffle_sync(dots[0], lr) * (1.0 / kq_ups[0])
                 s_q = cute.arch.shuffle_sync(dots[1], lr) * (1.0 / kq_ups[1])
+            elif cutlass.const_expr(d.row_lanes < 32):
+                s_k, s_q = grouped_row_dots(read, sState[None, None, st], sReadScale, st, sK[None, st], sQ[None, st],
+                                            hr0, RW, d.row_lanes, d.row_piece)
             elif lane < KL:
                 for r in cutlass.range_constexpr(RW):
                     rS = cute.make_rmem_tensor((vec,), Float32)
@@ -1241,7 +1331,7 @@ class GDNPipelinedDecode:
         if flush:
             if cutlass.const_expr(not mma_flush):
                 s_k, s_q = row_totals(rRows, lr, RW)
-        elif cutlass.const_expr(not mma_reads):
+        elif cutlass.const_expr(not mma_reads and d.row_lanes == 32):
             s_k, s_q = row_totals(rRows, lr, RW)
             if cutlass.const_expr(read is not None and scale_per_row(read)):
                 row_scale = smem_scale(read, sReadScale, st, hr0 + lr, Int32(0), Float32(1.0))

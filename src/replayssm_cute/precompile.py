@@ -59,7 +59,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}], or for the pipelined decode
-    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_ctas{M}]:
+    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_lanes{L}][_ctas{M}]:
     a launch config in a variant's label (unique per config)."""
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"
@@ -70,6 +70,7 @@ def config_label(config) -> str:
             label += f"_heads{config.heads_per_item}" if config.heads_per_item != 1 else ""
             label += "" if config.mma_dots else "_cudadots"
             label += "" if config.mma_flush else "_cudaflush"
+            label += f"_lanes{config.row_lanes}" if config.row_lanes != 32 else ""
             return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
         if not config.mma_fold:
             label += "_cudafold"

@@ -219,6 +219,16 @@ def test_pipelined_items_of_several_value_heads(window, rows_per_warp):
                                    heads_per_item=3))
 
 
+@pytest.mark.parametrize("row_lanes", [8, 16])
+def test_pipelined_row_dots_with_fewer_lanes_a_row(row_lanes):
+    """The fp32 checkpoint's row dots of non-flushing items with 8 or 16 lanes to a row
+    (``GDNPipeConfig.row_lanes``) on an 8-CTA grid, poisoned rings included."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    _run_case("odd", 37, torch.bfloat16, 16, seed=row_lanes, poison_ring=True,
+              config=GDNPipeConfig(stages=3, ctas=8, rows_per_item=64, row_lanes=row_lanes))
+
+
 @pytest.mark.xdist_group("gpu_memory")
 @pytest.mark.parametrize("batch", [3, 511])
 def test_tails_with_every_row_flushing_at_once(batch, decode_kernel):

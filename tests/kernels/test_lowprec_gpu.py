@@ -281,6 +281,23 @@ def test_gdn_pipelined_read_copies(read, corrections, stages, ctas, rows, rows_p
     _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, corrections), 4, "fp32", read, config)
 
 
+GDN_ROW_LANES_CASES = [(read,) + case for read in ("fp16", "fp8", None)  # row lanes, rows per warp, heads an item
+                       for case in [(8, 16, 2), (16, 16, 1), (8, 8, 1)] if read is not None or case[2] == 1]
+
+
+@pytest.mark.parametrize("read, row_lanes, rows_per_warp, heads", GDN_ROW_LANES_CASES)
+def test_gdn_pipelined_row_dots_with_fewer_lanes_a_row(read, row_lanes, rows_per_warp, heads):
+    """The row dots of non-flushing items on CUDA cores with 8 or 16 lanes to a state row
+    (``row_lanes``: each lane longer pieces of fewer rows, the partial dots reduced over the row's
+    lanes; an fp8 row's scale after its dots): the fp16 / fp8 copy's rows, or the fp32
+    checkpoint's, 8- or 16-row warps, items of one or two value heads; teacher-forced as above."""
+    from replayssm_cute.kernels.gdn.pipelined import GDNPipeConfig
+
+    config = GDNPipeConfig(2, 3, 128, rows_per_warp, prefetch=4 // heads, mma_dots=False, heads_per_item=heads,
+                           row_lanes=row_lanes)
+    _teacher_forced(_GDNLayer, lambda dev: _gdn_cache(dev, 10, 4, "fp32", read, "rederive"), 4, "fp32", read, config)
+
+
 @pytest.mark.parametrize("read, window", [("fp16", 16), ("fp8", 12), ("nvfp4", 16)])
 def test_gdn_pipelined_tensor_core_flush_long_windows(read, window):
     """The tensor-core flush where the ring spans two 8-record MMA tiles, whole (16) or in part

@@ -306,6 +306,34 @@ def test_gdn_items_of_several_value_heads_of_a_key_head():
     assert gdn_pipe.pipelined_config(QWEN, 132, "sm_90a").heads_per_item == 1  # two fp32 heads do not fit a stage
 
 
+def test_gdn_row_dots_with_fewer_lanes_a_row():
+    """``row_lanes`` 8 or 16: lanes sharing a state row in the CUDA-core row dots of the fp32
+    checkpoint or an fp16 / fp8 copy (an fp8 row's one scale after its dots), each lane pieces of
+    16 bytes or its whole share of the row; refused where the rows are on tensor cores, for nvfp4
+    (a scale per 16-element block) and where K is no whole number of pieces a lane. Not a
+    default, nor in the tuner's space, until measured."""
+    copies = {read: GDNShape(**{**QWEN.__dict__, "read_copy": read, "keep_v_beta": read is not None,
+                                "rederive": read is not None}) for read in (None, "fp16", "fp8", "nvfp4")}
+    base = gdn_pipe.GDNPipeConfig(2, 132, 128, mma_dots=False)
+    for read, shape in copies.items():
+        assert gdn_pipe.pipelined_config(shape, 132, "sm_90a").row_lanes == 32
+        assert {c.row_lanes for c in gdn_pipe.pipelined_space(shape, 132, "sm_90a")} == {32}
+    for read, lanes, piece in [(None, 8, 4), (None, 16, 4), ("fp16", 8, 8), ("fp16", 16, 8), ("fp8", 8, 16),
+                               ("fp8", 16, 8)]:
+        config = dataclasses.replace(base, row_lanes=lanes)
+        assert config.check(copies[read]) is None, (read, lanes)
+        assert gdn_pipe.row_piece(copies[read], lanes) == piece
+        assert config_label(config).endswith(f"_lanes{lanes}") and config.key() != base.key()
+    assert "_lanes" not in config_label(base)
+    narrow = GDNShape(3, 32, 48, 1, 16, 16)  # K = 48: pieces of 4 fp32 leave 16 elements for 8 lanes
+    for shape, fields, words in [(copies["fp8"], dict(row_lanes=4), "expected one of (8, 16, 32)"),
+                                 (copies["nvfp4"], dict(row_lanes=8), "take 32 lanes (scales per block)"),
+                                 (copies["fp8"], dict(row_lanes=8, mma_dots=True), "on tensor cores (mma_dots)"),
+                                 (narrow, dict(row_lanes=8, rows_per_item=32), "not a whole number of pieces")]:
+        assert words in dataclasses.replace(base, **fields).check(shape), fields
+    assert dataclasses.replace(base, row_lanes=16, rows_per_item=32).check(narrow) is None  # pieces of 3
+
+
 @pytest.mark.parametrize("arch, prefetch", [("sm_90a", 4), ("sm_100a", 2), ("sm_103a", 2)])
 def test_producer_chunk_per_target(arch, prefetch):
     """The producer's chunk is the target's: 4 items on sm_90a, 2 where 4 spills registers."""
@@ -433,6 +461,7 @@ qwen = dict(num_v_heads=64, head_v_dim=128, head_k_dim=128, num_k_heads=16, wind
             keep_v_beta=True, rederive=True)
 for name, read, config in [
         ("gdn_fp8", "fp8", GDNPipeConfig(2, 132, 128, prefetch=2, mma_dots=False, heads_per_item=2)),
+        ("gdn_fp8_lanes8", "fp8", GDNPipeConfig(2, 132, 128, prefetch=2, mma_dots=False, heads_per_item=2, row_lanes=8)),
         ("gdn_nvfp4", "nvfp4", GDNPipeConfig(2, 132, 128, prefetch=2, heads_per_item=2))]:
     precompile.dump_ptx("gdn", GDNShape(**qwen, read_copy=read), config, sys.argv[1] + "/" + name + ".ptx")
 """
@@ -444,14 +473,16 @@ def test_items_of_several_heads_build_for_every_arch(arch, tmp_path):
     head's rows from its place in the stage), next to an nvfp4 copy (a state scale per head, the
     rows on tensor cores) and with an fp8 copy's flush tile; and of two value heads of a key head
     (Qwen3.5-122B, re-deriving flushes on tensor cores) next to an fp8 copy (rows on CUDA cores) and
-    an nvfp4 one (rows on tensor cores); for each target: one TMA box per item, the copies' MMAs."""
+    an nvfp4 one (rows on tensor cores), the fp8 rows also with 8 lanes to a row; for each target:
+    one TMA box per item, the copies' MMAs."""
     env = _env(tmp_path / "cache")
     env["CUTE_DSL_ARCH"] = arch
     proc = subprocess.run([sys.executable, "-c", _SEVERAL_HEADS_BUILD, str(tmp_path)], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
-    for name in ("fp32", "nvfp4", "fp8", "gdn_fp8", "gdn_nvfp4"):
+    for name in ("fp32", "nvfp4", "fp8", "gdn_fp8", "gdn_fp8_lanes8", "gdn_nvfp4"):
         text = (tmp_path / f"{name}.ptx").read_text()
         assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
         assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text) == (name != "nvfp4"), name
-        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (name not in ("fp32", "gdn_fp8")), name
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (
+            name not in ("fp32", "gdn_fp8", "gdn_fp8_lanes8")), name
