@@ -65,7 +65,7 @@ def test_demo_cpu_path_gdn(tmp_path):
     # most stages that fit
     for config in ("gdn_decode (rows_per_cta=8, num_warps=2, min_ctas_per_sm=0): analytical default",
                    "gdn_decode (stages=3, ctas=132, rows_per_item=128, rows_per_warp=16, prefetch=4, consumer_groups=1, "
-                   "min_ctas_per_sm=0, mma_dots=True, mma_flush=True, heads_per_item=1): analytical default"):
+                   "min_ctas_per_sm=0, mma_dots=True, mma_flush=True, heads_per_item=1, row_lanes=32): analytical default"):
         assert r.stdout.count(config) == 1, log
     assert "summary: all checks passed" in r.stdout, log
     assert "FAILED" not in r.stdout, log
