@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .common import SMEM_PER_CTA
 from .config_space import MAX_CTAS, MAX_STAGES, PREFETCH_CHOICES
+from .state_io import CopyTensors
 
 # Items whose inputs the producer loads in one round (``prefetch`` of the pipelined configs): 4 on sm_90a
 # (measured on the H200), 2 where the compiler's register budget is tighter (sm_100a / sm_103a: at 4,
@@ -40,6 +41,11 @@ class ReadCopy(NamedTuple):
     mData: Optional[cute.Tensor]
     mScale: Optional[cute.Tensor]
     mStateScale: Optional[cute.Tensor]
+
+    def tensors(self) -> CopyTensors:
+        """As the state_io helpers take a cache's copies: this read copy next to an fp32
+        checkpoint (no checkpoint scales, no SR seed)."""
+        return CopyTensors(None, None, self.mData, self.mScale, self.mStateScale, None)
 
 
 def stages_smem_bytes(stages: int, stage_bytes: int) -> int:

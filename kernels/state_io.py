@@ -37,7 +37,7 @@ the rows twice, first for the whole state's amax (``folded_state_scale``), then 
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -194,8 +194,20 @@ class StateCopies:
         return None
 
 
-# A kernel's trailing state-copy parameters after its other tensors (mCheckpoint comes first).
-COPY_ARGS = ("mCheckpointScale", "mCheckpointStateScale", "mRead", "mReadScale", "mReadStateScale", "mSrSeed")
+class CopyTensors(NamedTuple):
+    """A cache's state tensors besides the checkpoint's data, as a kernel and these helpers take
+    them: the checkpoint's scales, the read copy with its scales, the SR seed (None where the cache
+    has none). A kernel's trailing parameters, in this order (mCheckpoint comes first)."""
+
+    mCheckpointScale: Optional[cute.Tensor]
+    mCheckpointStateScale: Optional[cute.Tensor]
+    mRead: Optional[cute.Tensor]
+    mReadScale: Optional[cute.Tensor]
+    mReadStateScale: Optional[cute.Tensor]
+    mSrSeed: Optional[cute.Tensor]
+
+
+COPY_ARGS = CopyTensors._fields
 
 
 def fake_copy_tensors(copies: StateCopies, slots, heads: int, rows: int) -> dict:
@@ -802,7 +814,7 @@ def mma_row_dots(fmt: cutlass.Constexpr[CopyFormat], sRows: cute.Tensor, sScale,
 
 
 @cute.jit
-def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, mStateScale, sEntry, sEntryScale,
+def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, tensors: CopyTensors, sEntry, sEntryScale,
                    entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32, r: Int32, out: cute.Tensor):
     """``out`` (vec,) fp32 <- the lane's slice of checkpoint row ``first_row + r`` (warp row r) for a
     kernel without an fp32 tile (``StateCopies.light``): from global memory next to a read copy,
@@ -812,7 +824,8 @@ def checkpoint_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mScale, 
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     lane = cute.arch.lane_idx()
     if cutlass.const_expr(copies.separate):
-        scale = load_scale(ckpt, mScale, mStateScale, slot, head, first_row + r, lane * vec)
+        scale = load_scale(ckpt, tensors.mCheckpointScale, tensors.mCheckpointStateScale, slot, head, first_row + r,
+                           lane * vec)
         decode_slice(ckpt, cute.local_tile(mCheckpoint[slot, head, first_row + r, None], (ckpt.per_lane(vec),),
                                            (lane,)), scale, out)
     else:
@@ -862,8 +875,7 @@ def work_tile_tma(copies: StateCopies, mCheckpoint: cute.Tensor, mRead, rows_per
 @cute.jit
 def start_work_tile_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_atom, mTma,
                           first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32,
-                          mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed,
-                          sr_count: Int32):
+                          tensors: CopyTensors, sr_count: Int32):
     """A work-tile kernel's loads at entry (``work_tile_tma``; a warp per stage of ``sState``):
     ``start_state_loads`` for a low-precision entry, else the fp32 rows straight into the padded
     tile. Returns (sEntry, sAmax, sEntryScale, entry_state_scale, sr_key), None where unused."""
@@ -871,8 +883,8 @@ def start_work_tile_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, 
     sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = None, None, None, Float32(1.0), None
     if cutlass.const_expr(copies.entry.low_precision):
         sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
-            copies, smem, sState, mbar, tma_atom, mTma, first_box, first_row, slot, slot64, head, mCheckpointScale,
-            mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, rows, warps)
+            copies, smem, sState, mbar, tma_atom, mTma, first_box, first_row, slot, slot64, head, tensors, sr_count,
+            rows, warps)
     else:
         start_tile_loads(tma_atom, mTma, sState, mbar, first_box, warps, rows * width * 4)
     return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key
@@ -881,8 +893,8 @@ def start_work_tile_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, 
 @cute.jit
 def fold_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, rCoef: cute.Tensor,
                    sKeys: cute.Tensor, gamma: Float32, fold_cols: cutlass.Constexpr[int],
-                   keys_exact: cutlass.Constexpr[bool], mCheckpoint, mCheckpointScale, mCheckpointStateScale, mRead,
-                   mReadScale, mReadStateScale, slot: Int64, head: Int32, first_row: Int32, sAmax, key: Uint32):
+                   keys_exact: cutlass.Constexpr[bool], mCheckpoint, tensors: CopyTensors, slot: Int64, head: Int32,
+                   first_row: Int32, sAmax, key: Uint32):
     """A flushing row's fold of the warp's rows of the work tile (``fold_into_checkpoint``) into
     every copy: straight into an fp32 checkpoint, else in place in the tile and then cast into each
     copy (``store_work_tile``: every thread of the CTA calls it)."""
@@ -892,8 +904,7 @@ def fold_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
         fold_into_checkpoint(cute.local_tile(sState[None, None, warp], (rows, copies.K), (0, 0)),
                              sState, warp, rCoef, sKeys, gamma, fold_cols, keys_exact)
         cute.arch.sync_warp()
-        store_work_tile(copies, sState, sAmax, mCheckpoint, mCheckpointScale, mCheckpointStateScale, mRead,
-                        mReadScale, mReadStateScale, slot, head, first_row, key)
+        store_work_tile(copies, sState, sAmax, mCheckpoint, tensors, slot, head, first_row, key)
     else:
         fold_into_checkpoint(cute.local_tile(mCheckpoint[slot, head, None, None], (rows, copies.K),
                                              (first_row // rows, 0)),
@@ -902,9 +913,9 @@ def fold_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
 
 @cute.jit
 def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar, tma_entry, mEntryTma,
-                      first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32, mCheckpointScale,
-                      mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count: Int32,
-                      rows: cutlass.Constexpr[int], warps: cutlass.Constexpr[int]):
+                      first_box: Int32, first_row: Int32, slot: Int32, slot64: Int64, head: Int32,
+                      tensors: CopyTensors, sr_count: Int32, rows: cutlass.Constexpr[int],
+                      warps: cutlass.Constexpr[int]):
     """A kernel's state copies at entry: allocates the low-precision entry tile (an fp32
     checkpoint lands in the work tile ``sState`` itself), issues its TMA loads (the read copy,
     else the checkpoint; ``rows`` per warp, one mbarrier each), stages the entry rows' scales per
@@ -928,14 +939,15 @@ def start_state_loads(copies: cutlass.Constexpr[StateCopies], smem, sState, mbar
         sEntryScale = smem.allocate_tensor(entry_fmt.scale_dtype, cute.make_layout(
             (rows, entry_fmt.scales_per_row, warps), stride=(entry_fmt.scales_per_row, 1, rows * entry_fmt.scales_per_row)),
             byte_alignment=16)
-        mEntryScale = mReadScale if cutlass.const_expr(copies.separate) else mCheckpointScale
+        mEntryScale = tensors.mReadScale if cutlass.const_expr(copies.separate) else tensors.mCheckpointScale
         stage_scales(entry_fmt, mEntryScale, sEntryScale, warp, slot64, head, first_row)
         if cutlass.const_expr(entry_fmt.has_state_scale):
-            mEntryState = mReadStateScale if cutlass.const_expr(copies.separate) else mCheckpointStateScale
+            mEntryState = (tensors.mReadStateScale if cutlass.const_expr(copies.separate)
+                           else tensors.mCheckpointStateScale)
             entry_state_scale = mEntryState[slot64, head]
     sr_key = Uint32(0)
     if cutlass.const_expr(copies.stochastic):
-        sr_key = sr_write_key(Uint32(mSrSeed[0]), slot, sr_count)
+        sr_key = sr_write_key(Uint32(tensors.mSrSeed[0]), slot, sr_count)
     return sEntry, sAmax, sEntryScale, entry_state_scale, sr_key
 
 
@@ -971,17 +983,17 @@ def ring_coefficients(w_j: Float32, rValues: cute.Tensor, origin: Int32, h: Int3
 
 
 @cute.jit
-def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, mCheckpointScale, mRead,
-                 mReadScale, slot: Int64, head: Int32, row: Int32, state_scale: Float32, key: Uint32):
+def store_copies(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, tensors: CopyTensors,
+                 slot: Int64, head: Int32, row: Int32, state_scale: Float32, key: Uint32):
     """One fp32 state row (the lane's ``values``), cast independently into each copy: SR into a
     low-precision checkpoint, RTN into the read copy (``encode_store``)."""
-    store_copies_at(copies, values, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot, head, row,
-                    cute.arch.lane_idx() * cute.size(values), state_scale, key)
+    store_copies_at(copies, values, mCheckpoint, tensors, slot, head, row, cute.arch.lane_idx() * cute.size(values),
+                    state_scale, key)
 
 
 @cute.jit
-def store_copies_at(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, mCheckpointScale, mRead,
-                    mReadScale, slot: Int64, head: Int32, row: Int32, col: Int32, state_scale: Float32, key: Uint32,
+def store_copies_at(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor, mCheckpoint, tensors: CopyTensors,
+                    slot: Int64, head: Int32, row: Int32, col: Int32, state_scale: Float32, key: Uint32,
                     read_block_amax=None):
     """``store_copies`` of the lane's ``values`` at columns ``col ..`` of the row (a multiple of
     their count), for lanes that do not split a row in lane order: a scale block's lanes are
@@ -992,29 +1004,28 @@ def store_copies_at(copies: cutlass.Constexpr[StateCopies], values: cute.Tensor,
     first = (head * rows_per_head + row) * copies.K + col  # the flat index of the SR bits
     ckpt = copies.checkpoint
     encode_store(ckpt, copies.stochastic, values, cute.local_tile(
-        mCheckpoint[slot, head, row, None], (ckpt.per_lane(vec),), (col // vec,)), mCheckpointScale, slot, head, row,
-        col, state_scale, key, first)
+        mCheckpoint[slot, head, row, None], (ckpt.per_lane(vec),), (col // vec,)), tensors.mCheckpointScale, slot, head,
+        row, col, state_scale, key, first)
     if cutlass.const_expr(copies.separate):
         encode_store(copies.read, False, values, cute.local_tile(
-            mRead[slot, head, row, None], (copies.read.per_lane(vec),), (col // vec,)), mReadScale, slot, head, row,
-            col, state_scale, key, first, read_block_amax)
+            tensors.mRead[slot, head, row, None], (copies.read.per_lane(vec),), (col // vec,)), tensors.mReadScale,
+            slot, head, row, col, state_scale, key, first, read_block_amax)
 
 
 @cute.jit
-def folded_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
-               sEntryScale, entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32, r: Int32,
+def folded_row(copies: cutlass.Constexpr[StateCopies], mCheckpoint, tensors: CopyTensors, sEntry, sEntryScale,
+               entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32, r: Int32,
                gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor, sKeys: cute.Tensor,
                ring: cutlass.Constexpr[bool], out: cute.Tensor):
     """``out`` (vec,) fp32 <- the lane's slice of warp row ``r`` of the state a light flush folds:
     the checkpoint row (``checkpoint_row``) folded in registers (``fold_row``)."""
-    checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                   entry_state_scale, slot, head, first_row, r, out)
+    checkpoint_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot, head, first_row, r, out)
     fold_row(out, gamma, own, rOwnKey, rCoefs, sKeys, r, ring)
 
 
 @cute.jit
-def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mCheckpointScale, mCheckpointStateScale,
-                       sEntry, sEntryScale, entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32,
+def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, tensors: CopyTensors, sEntry, sEntryScale,
+                       entry_state_scale: Float32, slot: Int64, head: Int32, first_row: Int32,
                        gamma: Float32, own: Float32, rOwnKey: cute.Tensor, rCoefs: cute.Tensor, sKeys: cute.Tensor,
                        ring: cutlass.Constexpr[bool], sAmax: cute.Tensor) -> Float32:
     """nvfp4's G of the state a light flush folds (``folded_row`` of the warp's rows, as the pass
@@ -1025,28 +1036,28 @@ def folded_state_scale(copies: cutlass.Constexpr[StateCopies], mCheckpoint, mChe
     amax = Float32(0.0)
     for r in cutlass.range(rows, unroll=4):
         rS = cute.make_rmem_tensor((vec,), Float32)
-        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                   entry_state_scale, slot, head, first_row, r, gamma, own, rOwnKey, rCoefs, sKeys, ring, rS)
+        folded_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot, head, first_row, r,
+                   gamma, own, rOwnKey, rCoefs, sKeys, ring, rS)
         amax = max_nan(amax, lane_amax(rS))
     return cta_state_scale(amax, sAmax)
 
 
 @cute.jit
-def write_state_scales(copies: cutlass.Constexpr[StateCopies], state_scale: Float32, mCheckpointStateScale,
-                       mReadStateScale, slot: Int64, head: Int32):
+def write_state_scales(copies: cutlass.Constexpr[StateCopies], state_scale: Float32, tensors: CopyTensors,
+                       slot: Int64, head: Int32):
     """Thread 0 stores nvfp4's G into the copies that have a state scale."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
         if cutlass.const_expr(copies.checkpoint.has_state_scale):
-            mCheckpointStateScale[slot, head] = state_scale
+            tensors.mCheckpointStateScale[slot, head] = state_scale
         if cutlass.const_expr(copies.separate and copies.read.has_state_scale):
-            mReadStateScale[slot, head] = state_scale
+            tensors.mReadStateScale[slot, head] = state_scale
 
 
 @cute.jit
 def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, sEntry, sEntryScale,
-                   entry_state_scale: Float32, flush, mCheckpoint, mCheckpointScale, mCheckpointStateScale,
-                   slot: Int64, head: Int32, first_row: Int32):
+                   entry_state_scale: Float32, flush, mCheckpoint, tensors: CopyTensors, slot: Int64, head: Int32,
+                   first_row: Int32):
     """The warp's rows of the fp32 work tile ``sState`` (rows, >= K, warps) decoded from its
     low-precision entry tile (landed: the caller waited on its mbarrier), or on a flush from the
     checkpoint (``checkpoint_row``: the entry tile itself, or global memory next to a read copy),
@@ -1063,8 +1074,8 @@ def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
         for r in cutlass.range(rows, unroll=4):
             rS = cute.make_rmem_tensor((vec,), Float32)
             if flush:
-                checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                               entry_state_scale, slot, head, first_row, r, rS)
+                checkpoint_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot, head,
+                               first_row, r, rS)
             else:
                 scale = smem_scale(entry, sEntryScale, warp, r, lane * vec, entry_state_scale)
                 decode_slice(entry, cute.local_tile(sEntry[r, None, warp], (entry.per_lane(vec),), (lane,)), scale,
@@ -1075,8 +1086,7 @@ def fill_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, 
 
 @cute.jit
 def store_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor, sAmax, mCheckpoint,
-                    mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot: Int64,
-                    head: Int32, first_row: Int32, key: Uint32):
+                    tensors: CopyTensors, slot: Int64, head: Int32, first_row: Int32, key: Uint32):
     """A flush's fp32 state in the work tile ``sState`` (rows, >= K, warps; each warp its rows,
     the CTA rows first_row - warp * rows ..) written into every copy (``store_copies``), with
     nvfp4's state scale reduced over the CTA (``sAmax``). Every thread of the CTA calls it."""
@@ -1087,12 +1097,11 @@ def store_work_tile(copies: cutlass.Constexpr[StateCopies], sState: cute.Tensor,
     state_scale = Float32(1.0)
     if cutlass.const_expr(copies.whole_state):
         state_scale = tile_state_scale(sState, vec, sAmax)
-        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot, head)
+        write_state_scales(copies, state_scale, tensors, slot, head)
     for r in cutlass.range(rows, unroll=2):
         rS = cute.make_rmem_tensor((vec,), Float32)
         cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
-        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot, head, first_row + r,
-                     state_scale, key)
+        store_copies(copies, rS, mCheckpoint, tensors, slot, head, first_row + r, state_scale, key)
 
 
 # ----------------------------------------------------------------------------- writing

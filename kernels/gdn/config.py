@@ -2,13 +2,17 @@
 layer's call), ``GDNConfig`` (the launch knobs, with the checks every GDN kernel shares and the
 decode kernel's own). The analytical default configs are in ``defaults.py``.
 
+The kernels take the layer's tensors as bundles: ``GDNToken`` (a step's inputs; verify's with a
+draft dim) and ``GDNRing`` (the records and the plan).
+
 The kernel modules (decode, verify, snapshot) and the host (replayssm_cute) import them from here.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Type
+from typing import List, NamedTuple, Optional, Type
 
 import cutlass
+import cutlass.cute as cute
 
 from ..common import pow2_at_least, smem_fit
 from ..config_space import config_space, launch_check
@@ -27,6 +31,30 @@ def rows_fit_tensor_cores(fmt: Optional[CopyFormat], rows: int, vec: int) -> boo
     """Whether a GDN decode can dot ``rows`` rows of the read copy ``fmt`` with k and q on tensor
     cores (state_io.mma_row_dots, k and q from lanes of ``vec`` values): any low-precision copy."""
     return fmt is not None and mma_dots_error(fmt, rows, vec) is None
+
+
+class GDNToken(NamedTuple):
+    """A step's inputs: this token's (decode), or the drafts' with a draft dim after the batch (verify)."""
+
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mA: cute.Tensor
+    mB: cute.Tensor
+    mALog: cute.Tensor
+    mDtBias: cute.Tensor
+
+
+class GDNRing(NamedTuple):
+    """The ring's records and the step's plan rows (all None at window 1; v and beta only with
+    keep_v_beta)."""
+
+    mRingU: Optional[cute.Tensor]
+    mRingK: Optional[cute.Tensor]
+    mRingG: Optional[cute.Tensor]
+    mRingV: Optional[cute.Tensor]
+    mRingBeta: Optional[cute.Tensor]
+    mPlan: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)

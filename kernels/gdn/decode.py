@@ -43,6 +43,9 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | read        | (S, HV, V, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
 | sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
 
+The kernel takes this token's tensors as a ``GDNToken``, the records with the plan as a ``GDNRing``
+and the copies' other tensors (scales, read copy, SR seed) as a ``state_io.CopyTensors``.
+
 State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
 elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
 cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
@@ -62,11 +65,11 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (after_previous_kernel, clear_stale_record, lane_scan, launch_tiles, planned_positions,
                       pow2_at_least, record_values, slot_is_live, warp_reduce_many)
-from ..state_io import (checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
+from ..state_io import (CopyTensors, checkpoint_row, decode_slice, entry_tma, fake_copy_tensors, folded_row,
                         folded_state_scale, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
                         store_copies, write_state_scales)
 from .common import gdn_gates, normalize_qk
-from .config import GDNConfig, GDNShape
+from .config import GDNConfig, GDNRing, GDNShape, GDNToken
 
 
 @cute.jit
@@ -264,9 +267,9 @@ class GDNDecode:
         HV, V = s.num_v_heads, s.head_v_dim
         tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, HV * V, c.rows_per_warp)
         launch_tiles(self.kernel(
-            tma_entry, mEntryTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan, mCheckpointScale,
-            mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed,
+            tma_entry, mEntryTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
+            GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
@@ -275,32 +278,18 @@ class GDNDecode:
         tma_entry: cute.CopyAtom,
         mEntryTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        token: GDNToken,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingU: Optional[cute.Tensor],
-        mRingK: Optional[cute.Tensor],
-        mRingG: Optional[cute.Tensor],
-        mRingV: Optional[cute.Tensor],
-        mRingBeta: Optional[cute.Tensor],
-        mPlan: Optional[cute.Tensor],
-        mCheckpointScale: Optional[cute.Tensor],
-        mCheckpointStateScale: Optional[cute.Tensor],
-        mRead: Optional[cute.Tensor],
-        mReadScale: Optional[cute.Tensor],
-        mReadStateScale: Optional[cute.Tensor],
-        mSrSeed: Optional[cute.Tensor],
+        records: GDNRing,
+        tensors: CopyTensors,
     ):
         # Warp-centric, as the Mamba-2 kernel: lane j owns record j's scalars (g_j, its weight
         # w_j); lane r owns state row i_warp + r's scalars (v, u, the ring sums, the output);
         # all lanes split each K-long row. Records and rows meet through shuffles and a small
         # shared table of w_j (k_j . k), w_j (k_j . q); nothing goes to local memory.
+        mQ, mK, mV, mA, mB, mALog, mDtBias = token
+        mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
         s, c = self.shape, self.config
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
@@ -323,7 +312,7 @@ class GDNDecode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = cute.arch.lane_idx()
 
-        prefetch_entry_rows(copies, mCheckpoint, mRead, mSlot, row, vhead, ptile * R, R, s.pad_slot_id)
+        prefetch_entry_rows(copies, mCheckpoint, tensors.mRead, mSlot, row, vhead, ptile * R, R, s.pad_slot_id)
         after_previous_kernel()
         slot = mSlot[row]
         h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
@@ -350,7 +339,7 @@ class GDNDecode:
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // RW)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, RW, W)
+                tensors, sr_count, RW, W)
             sGram, sSk, sUre, sV = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -477,8 +466,8 @@ class GDNDecode:
                     rS = cute.make_rmem_tensor((vec,), Float32)
                     if cutlass.const_expr(light):
                         if flush:
-                            checkpoint_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry,
-                                           sEntryScale, entry_state_scale, slot64, vhead, i_warp, r, rS)
+                            checkpoint_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot64,
+                                           vhead, i_warp, r, rS)
                             if cutlass.const_expr(rederive):
                                 row_key_dots(rS, sKeys, sSk[None, None, warp], r, cap, vec, act)
                         else:
@@ -518,17 +507,15 @@ class GDNDecode:
                     state_scale = Float32(1.0)
                     if cutlass.const_expr(copies.whole_state):  # nvfp4: the folded state's amax first
                         state_scale = folded_state_scale(
-                            copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                            entry_state_scale, slot64, vhead, i_warp, gamma, u, rK, rCoefs, sKeys, L > 1, sAmax)
+                            copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot64, vhead, i_warp,
+                            gamma, u, rK, rCoefs, sKeys, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                                   entry_state_scale, slot64, vhead, i_warp, r, gamma, u, rK, rCoefs, sKeys,
-                                   L > 1, rS)
-                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, vhead,
-                                     i_warp + r, state_scale, sr_key)
+                        folded_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot64, vhead,
+                                   i_warp, r, gamma, u, rK, rCoefs, sKeys, L > 1, rS)
+                        store_copies(copies, rS, mCheckpoint, tensors, slot64, vhead, i_warp + r, state_scale, sr_key)
                     if cutlass.const_expr(copies.whole_state):
-                        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, vhead)
+                        write_state_scales(copies, state_scale, tensors, slot64, vhead)
             else:
                 if flush:
                     # Fold in place in shared memory, JC items per pass (their keys in registers),

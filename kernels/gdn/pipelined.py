@@ -93,7 +93,7 @@ from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_n
                         scale_per_row, share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
                         warps_state_scale)
 from .common import gdn_gates, normalize_qk
-from .config import CUDA_CORE_DOT_READS, GDNShape, rows_fit_tensor_cores
+from .config import CUDA_CORE_DOT_READS, GDNRing, GDNShape, GDNToken, rows_fit_tensor_cores
 from .decode import rederived_by_position
 
 ROWS_PER_WARP = (8, 16)  # a consumer warp's rows: 2 x rows row dots reduced at once, the folded rows in registers
@@ -361,7 +361,6 @@ def coupled_substitution(sSolve: cute.Tensor, sSk: cute.Tensor, sV: cute.Tensor,
     rederived_by_position(sUre, rU, origin, h, lr, cap)
 
 
-
 def flush_fits_tensor_cores(shape: GDNShape, rows_per_warp: int) -> bool:
     """Whether a flush next to a read copy can run on tensor cores (``fragment_rows``): 16-row
     warps whose lanes each hold a quarter of K (K a multiple of 32 up to 128: 8 to 32 values a
@@ -505,30 +504,6 @@ def fragment_fold(rRows: cute.Tensor, sK: cute.Tensor, u: Float32, gamma: Float3
             for n in cutlass.range_constexpr(tiles):
                 for i in cutlass.range_constexpr(4):
                     rRows[i // 2, 2 * (nc * tiles + n) + i % 2] = acc[i, 0, n]
-
-
-class GDNToken(NamedTuple):
-    """This token's inputs of the step."""
-
-    mQ: cute.Tensor
-    mK: cute.Tensor
-    mV: cute.Tensor
-    mA: cute.Tensor
-    mB: cute.Tensor
-    mALog: cute.Tensor
-    mDtBias: cute.Tensor
-
-
-class GDNRing(NamedTuple):
-    """The ring's records and the step's plan rows (all None at window 1; v and beta only with
-    keep_v_beta)."""
-
-    mRingU: Optional[cute.Tensor]
-    mRingK: Optional[cute.Tensor]
-    mRingG: Optional[cute.Tensor]
-    mRingV: Optional[cute.Tensor]
-    mRingBeta: Optional[cute.Tensor]
-    mPlan: Optional[cute.Tensor]
 
 
 class GDNPipeSmem(NamedTuple):
@@ -1434,13 +1409,13 @@ class GDNPipelinedDecode:
                             row_amax = max_nan(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=offset))
                     for pc in cutlass.range_constexpr(K // 4 // piece):
                         store_copies_at(copies, cute.local_tile(rAcc[half, None], (piece,), (pc,)),
-                                        mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
+                                        mCheckpoint, copy.tensors(), slot64, vhead,
                                         first_row + lane // 4 + 8 * half, fragment_col(lane % 4, pc * piece, piece),
                                         state_scale, Uint32(0), row_amax)
             else:
                 for r in cutlass.range_constexpr(RW):
-                    store_copies(copies, rAcc[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, vhead,
-                                 first_row + r, state_scale, Uint32(0))
+                    store_copies(copies, rAcc[r, None], mCheckpoint, copy.tensors(), slot64, vhead, first_row + r,
+                                 state_scale, Uint32(0))
 
     @cute.jit
     def chunk_inputs(self, first: Int32, stride: Int32, total: Int32, mSlot: cute.Tensor, mPlan: Optional[cute.Tensor],

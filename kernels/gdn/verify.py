@@ -46,6 +46,9 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | ring_u, ring_k, ring_g (ring_v, ring_beta) | as decode | | R / W | drafts written at (origin + h + s) % cap |
 | plan        | (b, 4)            | int32 | R      | (slot, h, origin, sr_writes) before the step |
 | read, scales, sr_seed | as decode | | R (W on flush) | read copy; SR seed                           |
+
+The kernel takes the drafts' tensors as a ``GDNToken``, the records with the plan as a ``GDNRing``
+and the copies' other tensors (scales, read copy, SR seed) as a ``state_io.CopyTensors``.
 """
 
 from typing import Optional
@@ -58,10 +61,10 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
                       lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
                       round_up, rows_times_columns, slot_is_live, smem_fit, verify_check)
-from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
+from ..state_io import (CopyTensors, fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
-from .config import GDNConfig, GDNShape
+from .config import GDNConfig, GDNRing, GDNShape, GDNToken
 from .decode import rederive_corrections, row_key_dots
 
 
@@ -148,9 +151,9 @@ class GDNVerify(DraftStepKernel):
         copies = s.copies
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, HV * V, MMA_ROWS)
         launch_tiles(self.kernel(
-            tma_atom, mRowsTma, mCheckpoint, mQ, mK, mV, mA, mB, mALog, mDtBias, mSlot, mOut,
-            mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan, mCheckpointScale, mCheckpointStateScale,
-            mRead, mReadScale, mReadStateScale, mSrSeed,
+            tma_atom, mRowsTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
+            GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [V // c.rows_per_cta, HV, mV.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -159,28 +162,14 @@ class GDNVerify(DraftStepKernel):
         tma_atom: cute.CopyAtom,
         mRowsTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        token: GDNToken,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingU: cute.Tensor,
-        mRingK: cute.Tensor,
-        mRingG: cute.Tensor,
-        mRingV: Optional[cute.Tensor],
-        mRingBeta: Optional[cute.Tensor],
-        mPlan: cute.Tensor,
-        mCheckpointScale: Optional[cute.Tensor],
-        mCheckpointStateScale: Optional[cute.Tensor],
-        mRead: Optional[cute.Tensor],
-        mReadScale: Optional[cute.Tensor],
-        mReadStateScale: Optional[cute.Tensor],
-        mSrSeed: Optional[cute.Tensor],
+        records: GDNRing,
+        tensors: CopyTensors,
     ):
+        mQ, mK, mV, mA, mB, mALog, mDtBias = token
+        mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan = records
         s, c, T = self.shape, self.config, self.num_drafts
         HV, V, K, H, L, cap = s.num_v_heads, s.head_v_dim, s.head_k_dim, s.num_k_heads, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
@@ -229,7 +218,7 @@ class GDNVerify(DraftStepKernel):
             first_box = Int32((slot64 * (HV * V) + vhead * V + ptile * R) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
                 copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, i_warp, slot, slot64, vhead,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count)
+                tensors, sr_count)
             sGram, sSk, sUre, sVre = None, None, None, None
             if cutlass.const_expr(rederive):
                 sGram = smem.allocate_tensor(Float32, cute.make_layout((cap, cap), stride=(cap, 1)), byte_alignment=16)
@@ -342,8 +331,8 @@ class GDNVerify(DraftStepKernel):
                 _ring_part(rRing, rU, sDot, False)
             cute.arch.mbarrier_wait(mbar + warp, 0)
             # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
-            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
-                           mCheckpointScale, mCheckpointStateScale, slot64, vhead, i_warp)
+            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint, tensors, slot64,
+                           vhead, i_warp)
             if cutlass.const_expr(rederive):
                 if flush:  # Algorithm 6: the committed corrections from the checkpoint, by record
                     for r in cutlass.range(MMA_ROWS, unroll=1):
@@ -403,9 +392,8 @@ class GDNVerify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rU[i, kf], Float32(0.0))
-                fold_work_tile(copies, sState, rCoef, sKeys, gamma, fold_cols(K), exact, mCheckpoint, mCheckpointScale,
-                               mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot64, vhead, i_warp, sAmax,
-                               sr_key)
+                fold_work_tile(copies, sState, rCoef, sKeys, gamma, fold_cols(K), exact, mCheckpoint, tensors, slot64,
+                               vhead, i_warp, sAmax, sr_key)
 
             # The drafts' keys (once per key head) and decays (once per value head).
             if ptile == 0 and warp == 0:

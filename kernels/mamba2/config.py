@@ -2,13 +2,17 @@
 layer's call), ``Mamba2Config`` (the launch knobs, with the checks every Mamba-2 kernel shares
 and the decode kernel's own). The analytical default configs are in ``defaults.py``.
 
+The kernels take the layer's tensors as bundles: ``Mamba2Token`` (a step's inputs; verify's with a
+draft dim) and ``Mamba2Ring`` (the records and the plan).
+
 The kernel modules (decode, verify, snapshot) and the host (replayssm_cute) import them from here.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Type
+from typing import List, NamedTuple, Optional, Type
 
 import cutlass
+import cutlass.cute as cute
 
 from ..common import pow2_at_least, smem_fit
 from ..config_space import config_space, launch_check
@@ -23,6 +27,28 @@ TENSOR_CORE_READS = ("fp8", "nvfp4")
 def rows_on_tensor_cores(fmt: Optional[CopyFormat], rows: int) -> bool:
     """Whether a Mamba-2 decode dots ``rows`` rows of ``fmt`` with C on tensor cores (state_io.mma_row_dots)."""
     return fmt is not None and fmt.name in TENSOR_CORE_READS and mma_dots_error(fmt, rows) is None
+
+
+class Mamba2Token(NamedTuple):
+    """A step's inputs: this token's (decode), or the drafts' with a draft dim after the batch (verify)."""
+
+    mX: cute.Tensor
+    mDt: cute.Tensor
+    mA: cute.Tensor
+    mB: cute.Tensor
+    mC: cute.Tensor
+    mD: Optional[cute.Tensor]
+    mZ: Optional[cute.Tensor]
+    mDtBias: Optional[cute.Tensor]
+
+
+class Mamba2Ring(NamedTuple):
+    """The ring's records and the step's plan rows (all None at window 1)."""
+
+    mRingX: Optional[cute.Tensor]
+    mRingB: Optional[cute.Tensor]
+    mRingDt: Optional[cute.Tensor]
+    mPlan: Optional[cute.Tensor]
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, act = bf16 | fp
 | read        | (S, H, P, cols) | fmt | R; W on flush | read copy (optional), RTN; scales as the checkpoint's |
 | sr_seed     | (1,)             | int64   | R      | SR seed (low-precision checkpoint)              |
 
+The kernel takes this token's tensors as a ``Mamba2Token``, the records with the plan as a
+``Mamba2Ring`` and the copies' other tensors (scales, read copy, SR seed) as a
+``state_io.CopyTensors``.
+
 State formats (kernels/state_io.py): fp32, fp16, fp8 (uint8 E4M3 codes + fp32 scale per bk = 128
 elements, or per row) or nvfp4 (uint8 pairs of E2M1 codes + E4M3 block scales + fp32 state scale),
 cols = K or K / 2. Non-flush steps read the read copy when there is one, else the checkpoint; a
@@ -58,10 +62,10 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (after_previous_kernel, clear_stale_record, launch_tiles, planned_positions, record_values,
                       slot_is_live, softplus, warp_reduce_many, warp_sum)
-from ..state_io import (decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale, mma_row_dots,
-                        prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads, store_copies,
-                        vector_b_fragments, write_state_scales)
-from .config import Mamba2Config, Mamba2Shape, rows_on_tensor_cores
+from ..state_io import (CopyTensors, decode_slice, entry_tma, fake_copy_tensors, folded_row, folded_state_scale,
+                        mma_row_dots, prefetch_entry_rows, ring_coefficients, smem_scale, start_state_loads,
+                        store_copies, vector_b_fragments, write_state_scales)
+from .config import Mamba2Config, Mamba2Ring, Mamba2Shape, Mamba2Token, rows_on_tensor_cores
 
 
 class Mamba2Decode:
@@ -107,9 +111,9 @@ class Mamba2Decode:
         H, P = s.nheads, s.headdim
         tma_entry, mEntryTma = entry_tma(s.copies, mCheckpoint, mRead, H * P, c.rows_per_warp)
         launch_tiles(self.kernel(
-            tma_entry, mEntryTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot,
-            mOut, mRingX, mRingB, mRingDt, mPlan, mCheckpointScale, mCheckpointStateScale,
-            mRead, mReadScale, mReadStateScale, mSrSeed,
+            tma_entry, mEntryTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
+            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(), stream)
 
     @cute.kernel
@@ -118,31 +122,18 @@ class Mamba2Decode:
         tma_entry: cute.CopyAtom,
         mEntryTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mX: cute.Tensor,
-        mDt: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        mD: Optional[cute.Tensor],
-        mZ: Optional[cute.Tensor],
-        mDtBias: Optional[cute.Tensor],
+        token: Mamba2Token,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingX: Optional[cute.Tensor],
-        mRingB: Optional[cute.Tensor],
-        mRingDt: Optional[cute.Tensor],
-        mPlan: Optional[cute.Tensor],
-        mCheckpointScale: Optional[cute.Tensor],
-        mCheckpointStateScale: Optional[cute.Tensor],
-        mRead: Optional[cute.Tensor],
-        mReadScale: Optional[cute.Tensor],
-        mReadStateScale: Optional[cute.Tensor],
-        mSrSeed: Optional[cute.Tensor],
+        records: Mamba2Ring,
+        tensors: CopyTensors,
     ):
         # Warp-centric: warp w owns rows [p0 + w*RW, p0 + (w+1)*RW) (one TMA stage each). Lane j
         # owns record j's scalars (dt_j, its decay weight w_j, w_j (B_j . C)); lane r owns row
         # p_warp + r's terms (x, the ring sum, the output); all lanes split each state row's N
         # columns for S . C. Records and rows meet through shuffles, never local memory.
+        mX, mDt, mA, mB, mC, mD, mZ, mDtBias = token
+        mRingX, mRingB, mRingDt, mPlan = records
         s, c = self.shape, self.config
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
@@ -161,7 +152,7 @@ class Mamba2Decode:
         warp = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
 
-        prefetch_entry_rows(copies, mCheckpoint, mRead, mSlot, row, head, ptile * R, R, s.pad_slot_id)
+        prefetch_entry_rows(copies, mCheckpoint, tensors.mRead, mSlot, row, head, ptile * R, R, s.pad_slot_id)
         after_previous_kernel()
         slot = mSlot[row]
         h, origin, sr_count = planned_positions(mPlan, row, L > 1, copies.stochastic)
@@ -187,7 +178,7 @@ class Mamba2Decode:
             first_box = Int32((slot64 * (H * P) + head * P + ptile * R) // RW)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_state_loads(
                 copies, smem, sState, mbar, tma_entry, mEntryTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count, RW, W)
+                tensors, sr_count, RW, W)
 
             # The ring is read by physical position p (record (p - origin) mod cap) at every
             # position, so no load waits on the plan (predicating them on h measured 10-20% slower);
@@ -294,21 +285,19 @@ class Mamba2Decode:
                     state_scale = Float32(1.0)
                     if cutlass.const_expr(copies.whole_state):  # nvfp4: the folded state's amax first
                         state_scale = folded_state_scale(
-                            copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                            entry_state_scale, slot64, head, p_warp, gamma, own, rBa, rCoefs, sB, L > 1, sAmax)
+                            copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot64, head, p_warp,
+                            gamma, own, rBa, rCoefs, sB, L > 1, sAmax)
                     for r in cutlass.range(RW, unroll=4):  # rows' checkpoint loads in flight together
                         rS = cute.make_rmem_tensor((vec,), Float32)
-                        folded_row(copies, mCheckpoint, mCheckpointScale, mCheckpointStateScale, sEntry, sEntryScale,
-                                   entry_state_scale, slot64, head, p_warp, r, gamma, own, rBa, rCoefs, sB,
-                                   L > 1, rS)
-                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
-                                     p_warp + r, state_scale, sr_key)
+                        folded_row(copies, mCheckpoint, tensors, sEntry, sEntryScale, entry_state_scale, slot64, head,
+                                   p_warp, r, gamma, own, rBa, rCoefs, sB, L > 1, rS)
+                        store_copies(copies, rS, mCheckpoint, tensors, slot64, head, p_warp + r, state_scale, sr_key)
                         part = Float32(0.0)
                         for v in cutlass.range_constexpr(vec):
                             part = part + rS[v] * rC[v]
                         y_row = cutlass.select_(lane == r, warp_sum(part), y_row)
                     if cutlass.const_expr(copies.whole_state):
-                        write_state_scales(copies, state_scale, mCheckpointStateScale, mReadStateScale, slot64, head)
+                        write_state_scales(copies, state_scale, tensors, slot64, head)
                 elif cutlass.const_expr(rows_on_tensor_cores(entry_fmt, RW)):  # the rows' dots on tensor cores
                     sScaleRows = None
                     if cutlass.const_expr(entry_fmt.scale_dtype is not None):
@@ -374,8 +363,7 @@ class Mamba2Decode:
                     rS = cute.make_rmem_tensor((vec,), Float32)
                     cute.autovec_copy(cute.local_tile(sState[r, None, warp], (vec,), (lane,)), rS)
                     if flush:
-                        store_copies(copies, rS, mCheckpoint, mCheckpointScale, mRead, mReadScale, slot64, head,
-                                     p_warp + r, Float32(1.0), sr_key)
+                        store_copies(copies, rS, mCheckpoint, tensors, slot64, head, p_warp + r, Float32(1.0), sr_key)
                     part = Float32(0.0)
                     for v in cutlass.range_constexpr(vec):
                         part = part + rS[v] * rC[v]

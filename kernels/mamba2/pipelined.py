@@ -71,35 +71,13 @@ from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META
                         release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
 from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, scale_per_row,
                         smem_scale, store_copies, vector_b_fragments, warps_state_scale)
-from .config import Mamba2Shape, rows_on_tensor_cores
+from .config import Mamba2Ring, Mamba2Shape, Mamba2Token, rows_on_tensor_cores
 
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
 ROWS_PER_WARP = (16, 32)  # a consumer warp's rows: a lane per row for the row terms
 META = 8  # scalars of an item staged by the producer (int32 / fp32 each)
 GROUP_DOTS = 33  # a consumer warp's B . C of the item's group: lane l's ring value, then this token's
 META_DT, META_A, META_D, META_DT_BIAS = 0, 1, 2, 3  # its fp32 slots (chunk_inputs' order; READ_STATE_SCALE after)
-
-
-class Mamba2Token(NamedTuple):
-    """This token's inputs of the step."""
-
-    mX: cute.Tensor
-    mDt: cute.Tensor
-    mA: cute.Tensor
-    mB: cute.Tensor
-    mC: cute.Tensor
-    mD: Optional[cute.Tensor]
-    mZ: Optional[cute.Tensor]
-    mDtBias: Optional[cute.Tensor]
-
-
-class Mamba2Ring(NamedTuple):
-    """The ring's records and the step's plan rows (all None at window 1)."""
-
-    mRingX: Optional[cute.Tensor]
-    mRingB: Optional[cute.Tensor]
-    mRingDt: Optional[cute.Tensor]
-    mPlan: Optional[cute.Tensor]
 
 
 class Mamba2PipeSmem(NamedTuple):
@@ -882,8 +860,8 @@ class Mamba2PipelinedDecode:
                 amax = max_nan(amax, lane_amax(load_slice(sState[p_item + r, None, stage], lane, vec)))
             state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
         for r in cutlass.range_constexpr(RW):
-            store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, None, copy.mData,
-                         copy.mScale, slot64, head, p_warp + r, state_scale, Uint32(0))
+            store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, copy.tensors(),
+                         slot64, head, p_warp + r, state_scale, Uint32(0))
 
     @cute.jit
     def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, rBa: cute.Tensor, gamma: Float32,
@@ -928,7 +906,7 @@ class Mamba2PipelinedDecode:
                     amax = max_nan(amax, lane_amax(rRows))
                 else:
                     for r in cutlass.range_constexpr(rows):
-                        store_copies(copies, rRows[r, None], mCheckpoint, None, copy.mData, copy.mScale, slot64, head,
+                        store_copies(copies, rRows[r, None], mCheckpoint, copy.tensors(), slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
                 state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)

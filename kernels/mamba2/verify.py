@@ -50,6 +50,10 @@ Tensor contract (b = batch, S = slots, cap = window + max_draft, T = drafts, act
 | ring_x, ring_B, ring_dt | as decode | | R / W | draft records written at (origin + h + t) % cap |
 | plan        | (b, 4)             | int32    | R      | (slot, h, origin, sr_writes) before the step |
 | read, scales, sr_seed | as decode  |          | R (W on flush) | read copy; SR seed                   |
+
+The kernel takes the drafts' tensors as a ``Mamba2Token``, the records with the plan as a
+``Mamba2Ring`` and the copies' other tensors (scales, read copy, SR seed) as a
+``state_io.CopyTensors``.
 """
 
 from typing import Optional
@@ -62,9 +66,9 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
                       lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
                       round_up, rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
-from ..state_io import (fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
+from ..state_io import (CopyTensors, fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
-from .config import Mamba2Config, Mamba2Shape
+from .config import Mamba2Config, Mamba2Ring, Mamba2Shape, Mamba2Token
 
 class Mamba2Verify(DraftStepKernel):
     """One verify step of T drafts of a Mamba-2 layer over a pool of slots (module docstring)."""
@@ -119,9 +123,9 @@ class Mamba2Verify(DraftStepKernel):
         copies = s.copies
         tma_atom, mRowsTma = work_tile_tma(copies, mCheckpoint, mRead, H * P, MMA_ROWS)
         launch_tiles(self.kernel(
-            tma_atom, mRowsTma, mCheckpoint, mX, mDt, mA, mB, mC, mD, mZ, mDtBias, mSlot, mOut,
-            mRingX, mRingB, mRingDt, mPlan, mCheckpointScale, mCheckpointStateScale, mRead, mReadScale,
-            mReadStateScale, mSrSeed,
+            tma_atom, mRowsTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
+            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [P // c.rows_per_cta, H, mX.shape[0]], c, self.smem_bytes(s, c, self.num_drafts), stream)
 
     @cute.kernel
@@ -130,27 +134,14 @@ class Mamba2Verify(DraftStepKernel):
         tma_atom: cute.CopyAtom,
         mRowsTma: cute.Tensor,
         mCheckpoint: cute.Tensor,
-        mX: cute.Tensor,
-        mDt: cute.Tensor,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        mD: Optional[cute.Tensor],
-        mZ: Optional[cute.Tensor],
-        mDtBias: Optional[cute.Tensor],
+        token: Mamba2Token,
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
-        mRingX: cute.Tensor,
-        mRingB: cute.Tensor,
-        mRingDt: cute.Tensor,
-        mPlan: cute.Tensor,
-        mCheckpointScale: Optional[cute.Tensor],
-        mCheckpointStateScale: Optional[cute.Tensor],
-        mRead: Optional[cute.Tensor],
-        mReadScale: Optional[cute.Tensor],
-        mReadStateScale: Optional[cute.Tensor],
-        mSrSeed: Optional[cute.Tensor],
+        records: Mamba2Ring,
+        tensors: CopyTensors,
     ):
+        mX, mDt, mA, mB, mC, mD, mZ, mDtBias = token
+        mRingX, mRingB, mRingDt, mPlan = records
         s, c, T = self.shape, self.config, self.num_drafts
         H, P, N, G, L, cap = s.nheads, s.headdim, s.dstate, s.ngroups, s.window, s.capacity
         R, W = c.rows_per_cta, c.num_warps
@@ -196,7 +187,7 @@ class Mamba2Verify(DraftStepKernel):
             first_box = Int32((slot64 * (H * P) + head * P + p_warp - warp * MMA_ROWS) // MMA_ROWS)
             sEntry, sAmax, sEntryScale, entry_state_scale, sr_key = start_work_tile_loads(
                 copies, smem, sState, mbar, tma_atom, mRowsTma, first_box, p_warp, slot, slot64, head,
-                mCheckpointScale, mCheckpointStateScale, mReadScale, mReadStateScale, mSrSeed, sr_count)
+                tensors, sr_count)
 
             dt_phys = mRingDt[slot64, lane % cap, head]  # lane p: dt at position p
             flush = h + T > L
@@ -309,8 +300,8 @@ class Mamba2Verify(DraftStepKernel):
                 mma_tf32(rRing, rA, rW, not exact, True)
             cute.arch.mbarrier_wait(mbar + warp, 0)
             # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
-            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint,
-                           mCheckpointScale, mCheckpointStateScale, slot64, head, p_warp)
+            fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint, tensors, slot64,
+                           head, p_warp)
             rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
             rSC.fill(0.0)
             rows_times_columns(rSC, sState, warp, sC, N // 8, exact)
@@ -343,9 +334,8 @@ class Mamba2Verify(DraftStepKernel):
                         q = 8 * kf + c4 + 4 * (i // 2)
                         w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
                         rCoef[i, kf] = cutlass.select_(q < cap, w * rX[i, kf], Float32(0.0))
-                fold_work_tile(copies, sState, rCoef, sB, gamma, fold_cols(N), exact, mCheckpoint, mCheckpointScale,
-                               mCheckpointStateScale, mRead, mReadScale, mReadStateScale, slot64, head, p_warp, sAmax,
-                               sr_key)
+                fold_work_tile(copies, sState, rCoef, sB, gamma, fold_cols(N), exact, mCheckpoint, tensors, slot64,
+                               head, p_warp, sAmax, sr_key)
 
             # The drafts' B (once per group) and dt records.
             if ptile == 0 and warp == 0:
