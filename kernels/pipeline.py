@@ -8,7 +8,7 @@ waits for the stage's previous use to be released (``acquire_stage``), fills it 
 (``publish_stage``); the consumers wait for it (``wait_stage``) and release it (``release_stage``).
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -32,20 +32,6 @@ READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 r
 MAX_CONSUMER_GROUPS = 8  # named barriers CONSUMER_BARRIER .. + 7, one per group
 MAX_WARPS = 32  # a CTA's warps: the producer and every group's consumers
 MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
-
-
-class ReadCopy(NamedTuple):
-    """A cache's read copy as a pipelined kernel takes it (state_io.COPY_ARGS: mRead, mReadScale,
-    mReadStateScale; None where the format has no such tensor or the cache no read copy)."""
-
-    mData: Optional[cute.Tensor]
-    mScale: Optional[cute.Tensor]
-    mStateScale: Optional[cute.Tensor]
-
-    def tensors(self) -> CopyTensors:
-        """As the state_io helpers take a cache's copies: this read copy next to an fp32
-        checkpoint (no checkpoint scales, no SR seed)."""
-        return CopyTensors(None, None, self.mData, self.mScale, self.mStateScale, None)
 
 
 def stages_smem_bytes(stages: int, stage_bytes: int) -> int:
@@ -221,7 +207,7 @@ def flat(t: cute.Tensor, count: int) -> cute.Tensor:
 
 
 @cute.jit
-def copy_read_scales_async(read: cutlass.Constexpr, copy: ReadCopy, slot64: Int64, head: Int32, box: Int32,
+def copy_read_scales_async(read: cutlass.Constexpr, copy: CopyTensors, slot64: Int64, head: Int32, box: Int32,
                            rows: cutlass.Constexpr[int], sScale, sMetaF: cute.Tensor, stage: Int32):
     """Producer, an item whose stage holds read-copy rows (box ``box`` of ``rows`` rows of the
     head): their block scales into ``sScale[None, None, stage]`` and nvfp4's state scale into
@@ -229,9 +215,9 @@ def copy_read_scales_async(read: cutlass.Constexpr, copy: ReadCopy, slot64: Int6
     if cutlass.const_expr(read.scale_dtype is not None):
         count = rows * read.scales_per_row
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), read.scale_dtype, num_bits_per_copy=32)
-        gScale = cute.local_tile(copy.mScale[slot64, head, None, None], (rows, read.scales_per_row), (box, 0))
+        gScale = cute.local_tile(copy.mReadScale[slot64, head, None, None], (rows, read.scales_per_row), (box, 0))
         copy_rows_async(atom, flat(gScale, count), flat(sScale[None, None, stage], count), 32 // read.scale_dtype.width)
     if cutlass.const_expr(read.has_state_scale):
         copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-        copy_rows_async(copy4, flat(cute.local_tile(copy.mStateScale[slot64, None], (1,), (head,)), 1),
+        copy_rows_async(copy4, flat(cute.local_tile(copy.mReadStateScale[slot64, None], (1,), (head,)), 1),
                         flat(cute.local_tile(sMetaF[None, stage], (1,), (READ_STATE_SCALE,)), 1), 1)

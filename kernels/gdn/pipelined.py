@@ -67,7 +67,8 @@ fp32 checkpoint (``GDNPipeConfig.check``): the checkpoint scales and the SR seed
 | read / read_scale / read_state_scale | state_io's table | fp16 / fp8 / nvfp4 | R / W on flush | read copy (optional) |
 
 The kernel takes this token's tensors as a ``GDNToken``, the records with the plan as a
-``GDNRing`` and the read copy as a ``ReadCopy``.
+``GDNRing`` and the copies' other tensors (the read copy with its scales) as a
+``state_io.CopyTensors``.
 """
 
 import dataclasses
@@ -86,12 +87,12 @@ from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, l
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES, PREFETCH_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
-                        ReadCopy, acquire_stage, as_column, box_partition, copy_read_scales_async,
+                        acquire_stage, as_column, box_partition, copy_read_scales_async,
                         copy_records_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
                         residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import (decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots, ring_coefficients,
-                        scale_per_row, share_b_fragments, shared_b_fragments, smem_scale, store_copies, store_copies_at,
-                        warps_state_scale)
+from ..state_io import (CopyTensors, decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots,
+                        ring_coefficients, scale_per_row, share_b_fragments, shared_b_fragments, smem_scale,
+                        store_copies, store_copies_at, warps_state_scale)
 from .common import gdn_gates, normalize_qk
 from .config import CUDA_CORE_DOT_READS, GDNRing, GDNShape, GDNToken, rows_fit_tensor_cores
 from .decode import rederived_by_position
@@ -867,7 +868,8 @@ class GDNPipelinedDecode:
         tma_state, mStateTma = entry_tma(s.copies, mCheckpoint, mRead, d.HV * d.V, d.RI)
         launch(self.kernel(
             tma_state, mStateTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
-            GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
+            GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [c.ctas, 1, 1], [32 * c.warps(), 1, 1], stream, c.smem_bytes(s), c.min_ctas_per_sm)
 
     @cute.kernel
@@ -880,7 +882,7 @@ class GDNPipelinedDecode:
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
         records: GDNRing,
-        copy: ReadCopy,
+        copy: CopyTensors,
     ):
         s, d = self.shape, self.dims
         PF, R, HI, parts, HVI, box_bytes = d.PF, d.R, d.HI, d.parts, d.HVI, d.box_bytes
@@ -904,7 +906,7 @@ class GDNPipelinedDecode:
                 if item < total:
                     slot = load_past_l1(mSlot, item // (HVI * parts))
                     if slot_is_live(slot, num_slots, s.pad_slot_id):
-                        mEntry = copy.mData if copies.separate else mCheckpoint
+                        mEntry = copy.mRead if copies.separate else mCheckpoint
                         prefetch_l2(mEntry[Int64(slot), (item // parts) % HVI * HI, (item % parts) * R, None], box_bytes)
         after_previous_kernel()
 
@@ -976,7 +978,7 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, mCheckpoint: cute.Tensor, token: GDNToken,
-                mSlot: cute.Tensor, records: GDNRing, copy: ReadCopy, sm: GDNPipeSmem, bid: Int32, grid: Int32,
+                mSlot: cute.Tensor, records: GDNRing, copy: CopyTensors, sm: GDNPipeSmem, bid: Int32, grid: Int32,
                 lane: Int32, num_slots: Int32, total: Int32):
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
         s, d = self.shape, self.dims
@@ -1094,7 +1096,7 @@ class GDNPipelinedDecode:
             chunk = chunk + 1
 
     @cute.jit
-    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
+    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: CopyTensors,
                 sm: GDNPipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage, head by head
         (``consume_head``), then the stage released."""
@@ -1158,7 +1160,7 @@ class GDNPipelinedDecode:
             it = it + 1
 
     @cute.jit
-    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: ReadCopy,
+    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, copy: CopyTensors,
                      sm: GDNPipeSmem, w: ConsumerWarp, item: StagedItem, hi: Int32):
         """The warp's rows of the item's head ``hi``: load (the head's gates and record weights, a
         flush's fp32 rows, the ring's u), compute (S k and S q of the rows, a re-deriving flush's
@@ -1336,7 +1338,7 @@ class GDNPipelinedDecode:
 
     @cute.jit
     def fold_and_store(self, rAcc: cute.Tensor, rU: cute.Tensor, rK: cute.Tensor, u: Float32, gamma: Float32,
-                       w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: GDNPipeSmem, w: ConsumerWarp,
+                       w_j: Float32, mCheckpoint: cute.Tensor, copy: CopyTensors, sm: GDNPipeSmem, w: ConsumerWarp,
                        item: StagedItem, hi: Int32):
         """A flush of the warp's rows of the item's head ``hi`` (``rAcc``, fp32, in registers):
         S = gamma S + u k (this token) + sum over live positions of w_j u_j[i] k_j (a stale key is
@@ -1397,7 +1399,7 @@ class GDNPipelinedDecode:
                 state_scale = warps_state_scale(lane_amax(rAcc), sAmax[None, stage], cw, group_barrier, 32 * CW)
                 if cw == 0:
                     if lane == 0:
-                        copy.mStateScale[slot64, vhead] = state_scale
+                        copy.mReadStateScale[slot64, vhead] = state_scale
             if cutlass.const_expr(d.mma_flush):
                 # the lane's pieces of rows g and g + 8; an nvfp4 block is a lane's piece or two
                 # (fragment_piece), an fp8 block a whole row (flush_fits_tensor_cores): its amax over the quad
@@ -1409,12 +1411,12 @@ class GDNPipelinedDecode:
                             row_amax = max_nan(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=offset))
                     for pc in cutlass.range_constexpr(K // 4 // piece):
                         store_copies_at(copies, cute.local_tile(rAcc[half, None], (piece,), (pc,)),
-                                        mCheckpoint, copy.tensors(), slot64, vhead,
+                                        mCheckpoint, copy, slot64, vhead,
                                         first_row + lane // 4 + 8 * half, fragment_col(lane % 4, pc * piece, piece),
                                         state_scale, Uint32(0), row_amax)
             else:
                 for r in cutlass.range_constexpr(RW):
-                    store_copies(copies, rAcc[r, None], mCheckpoint, copy.tensors(), slot64, vhead, first_row + r,
+                    store_copies(copies, rAcc[r, None], mCheckpoint, copy, slot64, vhead, first_row + r,
                                  state_scale, Uint32(0))
 
     @cute.jit

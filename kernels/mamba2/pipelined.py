@@ -49,7 +49,8 @@ the SR seed are None.
 | read / read_scale / read_state_scale | state_io's table | fp16 / fp8 / nvfp4 | R / W on flush | read copy (optional) |
 
 The kernel takes this token's tensors as a ``Mamba2Token``, the records with the plan as a
-``Mamba2Ring`` and the read copy as a ``ReadCopy``.
+``Mamba2Ring`` and the copies' other tensors (the read copy with its scales) as a
+``state_io.CopyTensors``.
 """
 
 from dataclasses import dataclass
@@ -66,11 +67,11 @@ from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, la
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
 from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
-                        ReadCopy, acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
+                        acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
                         copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage,
                         release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
-from ..state_io import (copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots, scale_per_row,
-                        smem_scale, store_copies, vector_b_fragments, warps_state_scale)
+from ..state_io import (CopyTensors, copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots,
+                        scale_per_row, smem_scale, store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token, rows_on_tensor_cores
 
 TWO_CTA_READ_HEADDIM = 64  # read-copy default: two register-capped CTAs per SM up to this head size
@@ -396,7 +397,8 @@ class Mamba2PipelinedDecode:
         launch(self.kernel(
             tma_state, mStateTma, tma_ckpt, mCkptTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias),
             mSlot, mOut,
-            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan), ReadCopy(mRead, mReadScale, mReadStateScale),
+            Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
+            CopyTensors(mCheckpointScale, mCheckpointStateScale, mRead, mReadScale, mReadStateScale, mSrSeed),
         ), [c.ctas, 1, 1], [32 * c.warps(s), 1, 1], stream, c.smem_bytes(s), c.min_ctas_per_sm)
 
     @cute.kernel
@@ -411,7 +413,7 @@ class Mamba2PipelinedDecode:
         mSlot: cute.Tensor,
         mOut: cute.Tensor,
         records: Mamba2Ring,
-        copy: ReadCopy,
+        copy: CopyTensors,
     ):
         s, d = self.shape, self.dims
         PF, HI, items_per_row, box_bytes = d.PF, d.HI, d.items_per_row, d.box_bytes
@@ -435,7 +437,7 @@ class Mamba2PipelinedDecode:
                 if item < total:
                     slot = load_past_l1(mSlot, item // items_per_row)
                     if slot_is_live(slot, num_slots, s.pad_slot_id):
-                        entry = copy.mData if copies.separate else mCheckpoint
+                        entry = copy.mRead if copies.separate else mCheckpoint
                         prefetch_l2(entry[Int64(slot), (item % items_per_row) * HI, None, None], box_bytes)
         after_previous_kernel()
 
@@ -491,8 +493,9 @@ class Mamba2PipelinedDecode:
 
     @cute.jit
     def produce(self, tma_state: cute.CopyAtom, mStateTma: cute.Tensor, tma_ckpt: cute.CopyAtom, mCkptTma: cute.Tensor,
-                mCheckpoint: cute.Tensor, token: Mamba2Token, mSlot: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
-                sm: Mamba2PipeSmem, bid: Int32, grid: Int32, lane: Int32, num_slots: Int32, total: Int32):
+                mCheckpoint: cute.Tensor, token: Mamba2Token, mSlot: cute.Tensor, records: Mamba2Ring,
+                copy: CopyTensors, sm: Mamba2PipeSmem, bid: Int32, grid: Int32, lane: Int32, num_slots: Int32,
+                total: Int32):
         """Warp 0: fill the stages with the CTA's items bid, bid + grid, ... (module docstring)."""
         mX, mB, mC, mZ = token.mX, token.mB, token.mC, token.mZ
         mRingX, mRingB, mRingDt, mPlan = records
@@ -588,7 +591,7 @@ class Mamba2PipelinedDecode:
             chunk = chunk + 1
 
     @cute.jit
-    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
+    def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: CopyTensors,
                 sm: Mamba2PipeSmem, bid: Int32, grid: Int32, warp: Int32, lane: Int32, num_slots: Int32, total: Int32):
         """A consumer warp: its group's items of the CTA, each from its stage: the group's B . C
         once, then head by head (``consume_head``), then the stage released."""
@@ -644,7 +647,7 @@ class Mamba2PipelinedDecode:
             it = it + 1
 
     @cute.jit
-    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: ReadCopy,
+    def consume_head(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, copy: CopyTensors,
                      sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32, rC: cute.Tensor,
                      rBa: cute.Tensor):
         """The warp's rows of the item's head ``i``: load (the head's dt, gates and record weights),
@@ -787,7 +790,7 @@ class Mamba2PipelinedDecode:
         return self.row_total(rDots)
 
     @cute.jit
-    def head_state_scale(self, amax: Float32, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem,
+    def head_state_scale(self, amax: Float32, copy: CopyTensors, sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem,
                          i: Int32, head: Int32) -> Float32:
         """nvfp4's state scale of the item's ``i``-th head (``head``) from each consumer warp's
         ``amax``, reduced over the warp's group at its named barrier (a slot per warp and head: a
@@ -799,7 +802,7 @@ class Mamba2PipelinedDecode:
         state_scale = warps_state_scale(amax, sAmax[None, i, stage], cw, CONSUMER_BARRIER + g, 32 * CW)
         if cw == 0:
             if cute.arch.lane_idx() == 0:
-                copy.mStateScale[slot64, head] = state_scale
+                copy.mReadStateScale[slot64, head] = state_scale
         return state_scale
 
     @cute.jit
@@ -838,7 +841,7 @@ class Mamba2PipelinedDecode:
                 cute.autovec_copy(rAcc[r, None], cute.local_tile(mDst[p_warp + r, None], (vec,), (lane,)))
 
     @cute.jit
-    def store_folded_tile(self, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem, w: ConsumerWarp,
+    def store_folded_tile(self, mCheckpoint: cute.Tensor, copy: CopyTensors, sm: Mamba2PipeSmem, w: ConsumerWarp,
                           item: StagedItem, i: Int32, head: Int32):
         """A consumer warp after ``fold_tile`` into the stage: its folded rows of the item's ``i``-th
         head (``head``) into the checkpoint and the read copy (RTN), coalesced from the tile;
@@ -860,13 +863,13 @@ class Mamba2PipelinedDecode:
                 amax = max_nan(amax, lane_amax(load_slice(sState[p_item + r, None, stage], lane, vec)))
             state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
         for r in cutlass.range_constexpr(RW):
-            store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, copy.tensors(),
+            store_copies(copies, load_slice(sState[p_item + r, None, stage], lane, vec), mCheckpoint, copy,
                          slot64, head, p_warp + r, state_scale, Uint32(0))
 
     @cute.jit
     def flush_next_to_read_copy(self, rDots: cute.Tensor, rC: cute.Tensor, rBa: cute.Tensor, gamma: Float32,
-                                own: Float32, w_j: Float32, mCheckpoint: cute.Tensor, copy: ReadCopy, sm: Mamba2PipeSmem,
-                                w: ConsumerWarp, item: StagedItem, i: Int32, head: Int32):
+                                own: Float32, w_j: Float32, mCheckpoint: cute.Tensor, copy: CopyTensors,
+                                sm: Mamba2PipeSmem, w: ConsumerWarp, item: StagedItem, i: Int32, head: Int32):
         """A consumer warp, a flushing item next to a read copy: its rows of the checkpoint of the
         item's ``i``-th head (``head``; prefetched into L2 by the producer) a chunk at a time from
         global memory into registers, their dots with C into ``rDots``, folded (``fold_rows``) and
@@ -906,13 +909,13 @@ class Mamba2PipelinedDecode:
                     amax = max_nan(amax, lane_amax(rRows))
                 else:
                     for r in cutlass.range_constexpr(rows):
-                        store_copies(copies, rRows[r, None], mCheckpoint, copy.tensors(), slot64, head,
+                        store_copies(copies, rRows[r, None], mCheckpoint, copy, slot64, head,
                                      p_warp + first + r, state_scale, Uint32(0))
             if cutlass.const_expr(pass_ + 1 < passes):
                 state_scale = self.head_state_scale(amax, copy, sm, w, item, i, head)
 
     @cute.jit
-    def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: ReadCopy, slot64: Int64, head0: Int32,
+    def load_read_copy_extras(self, with_box, mCheckpoint: cute.Tensor, copy: CopyTensors, slot64: Int64, head0: Int32,
                               stage: Int32, sReadScale, sMetaF: cute.Tensor):
         """Producer, a live item next to a read copy: with the tiles (``with_box``, a non-flushing
         item) each head's block scales and nvfp4 state scale by cp.async into the stage; else (a
