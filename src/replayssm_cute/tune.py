@@ -51,7 +51,9 @@ on sm_90a Mamba-2 standard decode on an fp32 checkpoint, alone or next to an fp1
 ReplaySSM decode on the plain fp32 cache from batch 8 and next to a read copy from the 32 bucket;
 anywhere under REPLAYSSM_CUTE_PIPELINED=1) their space: stages, CTAs per SM, rows per item /
 consumer warp, Mamba-2's consumer groups and, next to a read copy, its heads per item
-(``pipelined_space``). A tuned
+(``pipelined_space``); where verify runs the pipelined verify (kernels/*/pipelined_verify.py: on
+sm_90a on an fp32 checkpoint, Mamba-2 always, GDN with T <= 4 drafts), its stages and CTAs per SM
+(``pipelined_verify_space``). A tuned
 entry replaces only a default of its own class, so run the tuner under REPLAYSSM_CUTE_PIPELINED=0 to
 tune the tile kernels where the pipeline is the default.
 """

@@ -39,8 +39,8 @@ def decode_kernel(request, monkeypatch):
 
 @pytest.fixture(params=["tiles", "pipelined"])
 def verify_kernel(request, monkeypatch):
-    """A verify case on both verify kernels of its layer: the tile kernel (kernels/*/verify.py)
-    and the persistent pipeline (kernels/*/pipelined_verify.py, opt-in with
+    """A verify case on both verify kernels of its layer: the tile kernel (kernels/*/verify.py,
+    REPLAYSSM_CUTE_PIPELINED=0) and the persistent pipeline (kernels/*/pipelined_verify.py,
     REPLAYSSM_CUTE_PIPELINED=1). The case fails unless its verify steps launched the kernel asked
     for."""
     yield from _on_kernel(request, monkeypatch, "_verify")
