@@ -488,6 +488,34 @@ def add_coef_keys(acc: cute.Tensor, rCoef: cute.Tensor, sKeys: cute.Tensor, key_
 
 
 @cute.jit
+def rows_times_dots(rAcc: cute.Tensor, rRows: cute.Tensor, sDot: cute.Tensor, split_rows: cutlass.Constexpr[bool]):
+    """rAcc (4, 1, NT) <- R Dots^T on tensor cores (zeroed first): a warp's rows as A fragments
+    ``rRows`` (4, KF) against the weighted dots ``sDot`` (k-major B operand). The verifies' ring
+    and draft terms: Mamba-2's X Dots^T, GDN's U Dots^T. fp32 rows are split hi / lo (``split_rows``)."""
+    rAcc.fill(0.0)
+    for kf in cutlass.range_constexpr(cute.size(rRows, mode=[1])):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = rRows[i, kf]
+        rW = cute.make_rmem_tensor(cute.make_layout((2, cute.size(rAcc, mode=[2]), 1)), Float32)
+        load_b_fragment(rW, sDot, 8 * kf, cute.size(rAcc, mode=[2]))
+        mma_tf32(rAcc, rA, rW, split_rows, True)
+
+
+@cute.jit
+def ring_fold_fragments(rCoef: cute.Tensor, rRows: cute.Tensor, w_fold: Float32, origin: Int32, c4: Int32,
+                        cap: cutlass.Constexpr[int]):
+    """A flush's fold over ring positions (drafts not folded): ``rCoef`` (4, KF) <- w_j r_j, the
+    A fragments of the warp's rows' records ``rRows`` weighted by lane j's ``w_fold`` for the
+    record at ring position q (zero past the ring)."""
+    for kf in cutlass.range_constexpr(cute.size(rCoef, mode=[1])):
+        for i in cutlass.range_constexpr(4):
+            q = 8 * kf + c4 + 4 * (i // 2)
+            w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
+            rCoef[i, kf] = cutlass.select_(q < cap, w * rRows[i, kf], Float32(0.0))
+
+
+@cute.jit
 def fold_into_checkpoint(mRow: cute.Tensor, sTile: cute.Tensor, stage, rCoef: cute.Tensor, sKeys: cute.Tensor,
                          gamma: Float32, fold_cols: cutlass.Constexpr[int], keys_exact: cutlass.Constexpr[bool]):
     """Store ``gamma S + Coef Keys`` for a warp's 16 rows: S the fp32 tile (stage ``stage``),

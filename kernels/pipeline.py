@@ -8,15 +8,17 @@ waits for the stage's previous use to be released (``acquire_stage``), fills it 
 (``publish_stage``); the consumers wait for it (``wait_stage``) and release it (``release_stage``).
 """
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from .common import SMEM_PER_CTA
+from .common import MMA_ROWS, SMEM_PER_CTA, TILE_PAD, smem_fit
 from .config_space import MAX_CTAS, MAX_STAGES, PREFETCH_CHOICES
+from .limits import MAX_CAPACITY, MAX_DRAFT
 from .state_io import CopyTensors
 
 # Items whose inputs the producer loads in one round (``prefetch`` of the pipelined configs): 4 on sm_90a
@@ -46,7 +48,7 @@ def producer_prefetch(arch: str) -> int:
 
 
 def pipeline_check(stages: int, ctas: int, smem_bytes: int, prefetch: int = 4) -> Optional[str]:
-    """Why a pipelined decode's stage ring, producer chunk and persistent grid cannot launch, or None."""
+    """Why a pipelined kernel's stage ring, producer chunk and persistent grid cannot launch, or None."""
     if prefetch not in PREFETCH_CHOICES:
         return f"prefetch {prefetch}: expected one of {PREFETCH_CHOICES}"
     if not 2 <= stages <= MAX_STAGES:
@@ -221,3 +223,118 @@ def copy_read_scales_async(read: cutlass.Constexpr, copy: CopyTensors, slot64: I
         copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         copy_rows_async(copy4, flat(cute.local_tile(copy.mReadStateScale[slot64, None], (1,), (head,)), 1),
                         flat(cute.local_tile(sMetaF[None, stage], (1,), (READ_STATE_SCALE,)), 1), 1)
+
+
+# ----------------------------------------------------------------------------- the pipelined verify
+
+
+@dataclass(frozen=True)
+class PipeVerifyConfig:
+    """Launch configuration of a pipelined verify (kernels/mamba2/pipelined_verify.py,
+    kernels/gdn/pipelined_verify.py): ``stages`` items in shared memory per CTA, ``ctas`` CTAs in
+    the persistent grid, ``prefetch`` items whose slot and plan the producer loads in one round
+    (a lane each), ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM. The
+    consumer warps follow from a head's state rows (16 each, the MMA's M)."""
+
+    stages: int = 3
+    ctas: int = 132
+    prefetch: int = 4
+    min_ctas_per_sm: int = 0
+
+    def key(self):
+        return ("pipeverify", self.stages, self.ctas, self.prefetch, self.min_ctas_per_sm)
+
+
+def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: int, cols: int,
+                      smem_bytes: int) -> Optional[str]:
+    """Why a pipelined verify cannot take (shape, config, T), or None: an fp32 checkpoint without
+    a read copy, ``rows`` state rows a head in 16-row warp tiles, ``cols`` columns (a multiple of
+    32) in one padded TMA box a row, a ring, 1 <= T <= min(16, max_draft, window), the ring in one
+    lane per record, and the warps, stages and ``smem_bytes`` of shared memory."""
+    T = num_drafts
+    if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
+        return "the pipelined verify takes an fp32 checkpoint without a read copy"
+    if cols % 32 or cols + TILE_PAD > 256:
+        return f"{cols} state columns: the kernel needs a multiple of 32 up to {256 - TILE_PAD} (one TMA box a row)"
+    if rows % MMA_ROWS:
+        return f"{rows} state rows a head: the kernel needs a multiple of {MMA_ROWS} (a 16-row MMA tile a warp)"
+    if shape.window < 2:
+        return "verification needs a ring (window >= 2)"
+    if not 1 <= T <= min(MAX_DRAFT, shape.capacity - shape.window, shape.window):
+        return (f"num_drafts {T}: needs 1 <= T <= min({MAX_DRAFT}, max_draft "
+                f"{shape.capacity - shape.window}, window {shape.window})")
+    if shape.capacity > MAX_CAPACITY:
+        return f"ring capacity {shape.capacity} above {MAX_CAPACITY} (one lane per record)"
+    return (residency_check(config.stages, 1, 1 + rows // MMA_ROWS, config.min_ctas_per_sm)
+            or pipeline_check(config.stages, config.ctas, smem_bytes, config.prefetch)
+            or smem_fit(smem_bytes, config.min_ctas_per_sm))
+
+
+# CTAs an SM a pipelined verify's default asks for, most first. Measured on the H200 (Nemotron-3-Super,
+# T = 2 / 4 / 8, batch 64 / 256): two CTAs of 2 stages took 0.72-0.85x the time of one of 4, whose 4
+# consumer warps sat idle through an item's barriers and dependent loads.
+VERIFY_CTAS_PER_SM = (2, 1)
+VERIFY_STAGE_CHOICES = (4, 3, 2)
+
+
+def verify_space(shape, check: Callable, sm_count: int, arch: str) -> list:
+    """The pipelined verify configs ``check(shape, config, T)`` takes at the cache's largest draft
+    count T: one or two CTAs an SM (two with registers capped for them), 2-4 stages, the target's
+    producer chunk; most CTAs an SM first, then most stages. [] where the cache has no room for a draft."""
+    largest = min(MAX_DRAFT, shape.capacity - shape.window, shape.window)
+    if largest < 1:
+        return []
+    # plain loops: the DSL's preprocessor of this module's jit functions trips on comprehensions' closures
+    space = []
+    for per_sm in VERIFY_CTAS_PER_SM:
+        for stages in VERIFY_STAGE_CHOICES:
+            config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch), per_sm if per_sm > 1 else 0)
+            if check(shape, config, largest) is None:
+                space.append(config)
+    return space
+
+
+def default_verify_config(shape, check: Callable, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:
+    """A pipelined verify's default: the first of ``verify_space`` (two CTAs an SM where they fit,
+    the most stages); None where it is empty."""
+    space = verify_space(shape, check, sm_count, arch)
+    return space[0] if space else None
+
+
+@cute.jit
+def plan_scalars(first: Int32, stride: Int32, total: Int32, heads: cutlass.Constexpr[int], prefetch: cutlass.Constexpr[int],
+                 mSlot: cute.Tensor, mPlan: cute.Tensor, rInt: cute.Tensor):
+    """Lane u < prefetch: (slot, h, origin) of item ``first + u stride`` (clamped to the last item;
+    ``heads`` items a batch row) into ``rInt``, loaded by batch row."""
+    item = cutlass.min(first + (cute.arch.lane_idx() % prefetch) * stride, total - 1)
+    row = item // heads
+    rInt[0] = mSlot[row]
+    rInt[1] = mPlan[row, 1]
+    rInt[2] = mPlan[row, 2]
+
+
+@cute.jit
+def publish_tile_boxes(full: cute.Pointer, stage: Int32, live, boxes: cutlass.Constexpr[int],
+                       box_bytes: cutlass.Constexpr[int], tma_atom: cute.CopyAtom, tSrc: cute.Tensor, first_box: Int32,
+                       tDst: cute.Tensor):
+    """Producer (whole warp), after its copies and lane 0's scalar stores into the stage: lane 0
+    arrives (with the bytes of ``boxes`` TMA boxes if ``live``), the warp issues boxes ``first_box
+    ..`` of ``tSrc`` into blocks ``stage * boxes ..`` of ``tDst`` (every lane: the TMA's
+    elect.sync), and every lane's cp.async arrival follows its copies."""
+    cute.arch.sync_warp()  # every lane's plain stores into the stage precede lane 0's release
+    if cute.arch.lane_idx() == 0:
+        if live:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, boxes * box_bytes)
+        else:
+            cute.arch.mbarrier_arrive(full + stage)
+    if live:
+        for b in cutlass.range_constexpr(boxes):
+            cute.copy(tma_atom, tSrc[None, first_box + b], tDst[None, stage * boxes + b], tma_bar_ptr=full + stage)
+    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+
+
+def rows_at(sRows: cute.Tensor, first: int, rows: int) -> cute.Tensor:
+    """Rows ``first ..`` of a 2-D shared-memory (rows, cols) tensor as a (rows, cols) one."""
+    cols = cute.size(sRows, mode=[1])
+    return cute.make_tensor(sRows.iterator + first * sRows.layout.stride[0],
+                            cute.make_layout((rows, cols), stride=(sRows.layout.stride[0], 1)))

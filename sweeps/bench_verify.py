@@ -66,10 +66,11 @@ VERIFY_CANDIDATES = 3
 def speculative_configs(model, batch: int, drafts: int, window: int = 16, quick: bool = False):
     """The launch configs the speculative step of (model, batch, T) is timed at on a cache of
     `window`: verify (window > 1) or the snapshot baseline (window 1). The API's default first
-    (None where it picks it inline), then the layer's grid, those the kernel takes; at most
-    VERIFY_CANDIDATES (QUICK_CANDIDATES with quick)."""
+    (None where it picks it inline), then the pipelined verify's space where that is the default,
+    then the layer's grid, those the kernel takes; at most VERIFY_CANDIDATES (QUICK_CANDIDATES with quick)."""
     layer = bench_layer(model)
-    return grid_configs(model, batch, [layer.default_speculative_config(model, batch, window)],
+    defaults = [layer.default_speculative_config(model, batch, window, drafts)]
+    return grid_configs(model, batch, defaults + layer.speculative_space(model, window, drafts),
                         lambda c: c is None or layer.speculative_check(model, window, drafts, c) is None,
                         QUICK_CANDIDATES if quick else VERIFY_CANDIDATES)
 

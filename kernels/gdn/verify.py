@@ -60,7 +60,8 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
                       lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
-                      round_up, rows_times_columns, slot_is_live, smem_fit, verify_check)
+                      ring_fold_fragments, round_up, rows_times_columns, rows_times_dots, slot_is_live, smem_fit,
+                      verify_check)
 from ..state_io import (CopyTensors, fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .common import gdn_gates, normalize_qk
@@ -69,18 +70,52 @@ from .decode import rederive_corrections, row_key_dots
 
 
 @cute.jit
-def _ring_part(rRing: cute.Tensor, rU: cute.Tensor, sDot: cute.Tensor, split_u: cutlass.Constexpr[bool]):
-    """rRing (4, 1, 2 NT) <- U Dots^T: the warp rows' committed corrections (A fragments ``rU``
-    (4, KF)) against the weighted key products of the ring columns. Cached corrections are fp16,
-    exact in TF32; re-derived ones are fp32 and split (``split_u``)."""
-    rRing.fill(0.0)
-    for kf in cutlass.range_constexpr(cute.size(rU, mode=[1])):
+def weighted_key_products(sDot: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Tensor, q_tile: Int32, prefix: Float32,
+                          origin: Int32, h: Int32, g4: Int32, c4: Int32, cap: cutlass.Constexpr[int],
+                          T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int],
+                          NT: cutlass.Constexpr[int], K: cutlass.Constexpr[int]):
+    """A warp's 16 key columns from ``q_tile`` (ring positions, then the drafts' normalised keys)
+    of Dots (col, x_s) = k_col . x_s for x in {k, q} (``sDraft``: the drafts' k rows, then their
+    q rows, TP apart) on tensor cores, weighted into ``sDot[x_s, col]`` by exp(P_s - P_j) where
+    the column counts: k-rows take committed records and earlier drafts, q-rows also the draft
+    itself. ``prefix`` is lane j's inclusive prefix sum of the decays."""
+    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+    rDot.fill(0.0)
+    for kb in cutlass.range_constexpr(K // 8):
         rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
         for i in cutlass.range_constexpr(4):
-            rA[i, 0, 0] = rU[i, kf]
-        rW = cute.make_rmem_tensor(cute.make_layout((2, cute.size(rRing, mode=[2]), 1)), Float32)
-        load_b_fragment(rW, sDot, 8 * kf, cute.size(rRing, mode=[2]))
-        mma_tf32(rRing, rA, rW, split_u, True)
+            q = q_tile + g4 + 8 * (i % 2)
+            kk = 8 * kb + c4 + 4 * (i // 2)
+            ring_key = sKeys[cutlass.min(q, cap - 1), kk].to(Float32)
+            draft_key = sDraft[cutlass.max(cutlass.min(q - cap, T - 1), 0), kk]
+            rA[i, 0, 0] = cutlass.select_(q < cap, ring_key, draft_key)
+        rX = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
+        load_b_fragment(rX, sDraft, 8 * kb, 2 * NT)
+        mma_tf32(rDot, rA, rX, True, True)
+    for nt in cutlass.range_constexpr(2 * NT):
+        for i in cutlass.range_constexpr(4):
+            q = q_tile + g4 + 8 * (i // 2)
+            xs = 8 * nt + 2 * c4 + i % 2  # 0..TP-1: k_s; TP..2TP-1: q_s
+            d = xs % TP
+            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+            live = (q < NQ) & (d < T) & cutlass.select_(
+                q < cap, j < h, cutlass.select_(xs < TP, q - cap < d, q - cap <= d))
+            p_j = cute.arch.shuffle_sync(prefix, j % 32)
+            p_e = cute.arch.shuffle_sync(prefix, (h + d) % 32)
+            w = cute.math.exp(p_e - p_j, fastmath=False)
+            sDot[xs, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+
+
+@cute.jit
+def fold_coefficients(rCoef: cute.Tensor, rU: cute.Tensor, prefix: Float32, origin: Int32, h: Int32, c4: Int32,
+                      cap: cutlass.Constexpr[int]) -> Float32:
+    """A flush's fold of the h committed records, S = gamma S + sum_{j < h} (w_j u_j) k_j^T with
+    decays up to record h - 1: the A fragments w_j u_j into ``rCoef``; returns gamma."""
+    p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
+    w_fold = cute.math.exp(p_last - prefix, fastmath=False)
+    gamma = cute.math.exp(p_last, fastmath=False)
+    ring_fold_fragments(rCoef, rU, w_fold, origin, c4, cap)
+    return gamma
 
 
 class GDNVerify(DraftStepKernel):
@@ -296,39 +331,14 @@ class GDNVerify(DraftStepKernel):
             for mt in cutlass.range_constexpr(cdiv(NQP // 16, W)):
                 q_tile = (mt * W + warp) * 16
                 if q_tile < NQP:
-                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-                    rDot.fill(0.0)
-                    for kb in cutlass.range_constexpr(K // 8):
-                        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-                        for i in cutlass.range_constexpr(4):
-                            q = q_tile + g4 + 8 * (i % 2)
-                            kk = 8 * kb + c4 + 4 * (i // 2)
-                            ring_key = sKeys[cutlass.min(q, cap - 1), kk].to(Float32)
-                            draft_key = sDraft[cutlass.max(cutlass.min(q - cap, T - 1), 0), kk]
-                            rA[i, 0, 0] = cutlass.select_(q < cap, ring_key, draft_key)
-                        rX = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
-                        load_b_fragment(rX, sDraft, 8 * kb, 2 * NT)
-                        mma_tf32(rDot, rA, rX, True, True)
-                    for nt in cutlass.range_constexpr(2 * NT):
-                        for i in cutlass.range_constexpr(4):
-                            q = q_tile + g4 + 8 * (i // 2)
-                            xs = 8 * nt + 2 * c4 + i % 2  # 0..TP-1: k_s; TP..2TP-1: q_s
-                            d = xs % TP
-                            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
-                            # k-rows use committed records and earlier drafts; q-rows also the draft itself.
-                            live = (q < NQ) & (d < T) & cutlass.select_(
-                                q < cap, j < h, cutlass.select_(xs < TP, q - cap < d, q - cap <= d))
-                            p_j = cute.arch.shuffle_sync(prefix, j % 32)
-                            p_e = cute.arch.shuffle_sync(prefix, (h + d) % 32)
-                            w = cute.math.exp(p_e - p_j, fastmath=False)
-                            sDot[xs, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+                    weighted_key_products(sDot, sKeys, sDraft, q_tile, prefix, origin, h, g4, c4, cap, T, TP, NQ, NT, K)
             cute.arch.sync_threads()
 
             # Ring parts U Dots^T (before the tile has landed, unless a flush re-derives U from it),
             # then S_ckpt [k; q]^T.
             rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
             if cutlass.const_expr(not rederive):
-                _ring_part(rRing, rU, sDot, False)
+                rows_times_dots(rRing, rU, sDot, False)
             cute.arch.mbarrier_wait(mbar + warp, 0)
             # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
             fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint, tensors, slot64,
@@ -348,7 +358,7 @@ class GDNVerify(DraftStepKernel):
                             j = (q - origin + cap) % cap
                             rU[i, kf] = cutlass.select_((q < cap) & (j < h), sUre[j, g4 + 8 * (i % 2), warp],
                                                         Float32(0.0))
-                _ring_part(rRing, rU, sDot, True)
+                rows_times_dots(rRing, rU, sDot, True)
             rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
             rSX.fill(0.0)
             rows_times_columns(rSX, sState, warp, sDraft, K // 8, False)
@@ -381,17 +391,9 @@ class GDNVerify(DraftStepKernel):
                         mRingV[slot64, pos_d, vhead, i_row] = rV[d]
 
             if flush:
-                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j u_j) k_j^T with
-                # decays up to record h - 1, as a GEMM over ring positions (drafts not folded).
-                p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
-                w_fold = cute.math.exp(p_last - prefix, fastmath=False)
-                gamma = cute.math.exp(p_last, fastmath=False)
+                # Fold the h committed records as a GEMM over ring positions.
                 rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                for kf in cutlass.range_constexpr(KF):
-                    for i in cutlass.range_constexpr(4):
-                        q = 8 * kf + c4 + 4 * (i // 2)
-                        w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
-                        rCoef[i, kf] = cutlass.select_(q < cap, w * rU[i, kf], Float32(0.0))
+                gamma = fold_coefficients(rCoef, rU, prefix, origin, h, c4, cap)
                 fold_work_tile(copies, sState, rCoef, sKeys, gamma, fold_cols(K), exact, mCheckpoint, tensors, slot64,
                                vhead, i_warp, sAmax, sr_key)
 

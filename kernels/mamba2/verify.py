@@ -65,10 +65,55 @@ from cutlass.memory import SmemAllocator
 
 from ..common import (MMA_ROWS, TILE_PAD, DraftStepKernel, after_previous_kernel, cdiv, clear_stale_record, fold_cols,
                       lane_scan, launch_tiles, load_b_fragment, mma_tf32, padded_tile_layout, planned_positions,
-                      round_up, rows_times_columns, slot_is_live, smem_fit, softplus, verify_check)
+                      ring_fold_fragments, round_up, rows_times_columns, rows_times_dots, slot_is_live, smem_fit,
+                      softplus, verify_check)
 from ..state_io import (CopyTensors, fake_copy_tensors, fill_work_tile, fold_work_tile, start_work_tile_loads,
                         work_tile_tma)
 from .config import Mamba2Config, Mamba2Ring, Mamba2Shape, Mamba2Token
+
+
+@cute.jit
+def weighted_dots(sDot: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: Int32, dt_j: Float32, prefix: Float32,
+                  A: Float32, origin: Int32, h: Int32, g4: Int32, c4: Int32, cap: cutlass.Constexpr[int],
+                  T: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int], NT: cutlass.Constexpr[int],
+                  N: cutlass.Constexpr[int], exact: cutlass.Constexpr[bool]):
+    """A warp's 16 columns q from ``q_tile`` of Dots (q, t) = B_q . C_t on tensor cores, weighted
+    into ``sDot[t, q]``: dt_q exp(A (P_t - P_q)) where column q (a ring position, then a draft)
+    counts for draft t (committed records before h, drafts up to t), zero elsewhere. ``dt_j`` and
+    ``prefix`` are lane j's dt and inclusive prefix sum over the live positions."""
+    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+    rDot.fill(0.0)
+    for kb in cutlass.range_constexpr(N // 8):
+        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+        for i in cutlass.range_constexpr(4):
+            rA[i, 0, 0] = sB[q_tile + g4 + 8 * (i % 2), 8 * kb + c4 + 4 * (i // 2)].to(Float32)
+        rCb = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
+        load_b_fragment(rCb, sC, 8 * kb, NT)
+        mma_tf32(rDot, rA, rCb, not exact, not exact)
+    for nt in cutlass.range_constexpr(NT):
+        for i in cutlass.range_constexpr(4):
+            q = q_tile + g4 + 8 * (i // 2)
+            t = 8 * nt + 2 * c4 + i % 2
+            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+            live = (q < NQ) & (t < T) & cutlass.select_(q < cap, j < h, q - cap <= t)
+            dt_q = cute.arch.shuffle_sync(dt_j, j % 32)
+            p_q = cute.arch.shuffle_sync(prefix, j % 32)
+            p_t = cute.arch.shuffle_sync(prefix, (h + t) % 32)
+            w = dt_q * cute.math.exp(A * (p_t - p_q), fastmath=False)
+            sDot[t, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+
+
+@cute.jit
+def fold_coefficients(rCoef: cute.Tensor, rX: cute.Tensor, dt_j: Float32, prefix: Float32, A: Float32, origin: Int32,
+                      h: Int32, c4: Int32, cap: cutlass.Constexpr[int]) -> Float32:
+    """A flush's fold of the h committed records, S = gamma S + sum_{j < h} (w_j x_j) B_j^T with
+    weights up to record h - 1: the A fragments w_j x_j into ``rCoef``; returns gamma."""
+    p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
+    w_fold = dt_j * cute.math.exp(A * (p_last - prefix), fastmath=False)
+    gamma = cute.math.exp(A * p_last, fastmath=False)
+    ring_fold_fragments(rCoef, rX, w_fold, origin, c4, cap)
+    return gamma
+
 
 class Mamba2Verify(DraftStepKernel):
     """One verify step of T drafts of a Mamba-2 layer over a pool of slots (module docstring)."""
@@ -266,38 +311,12 @@ class Mamba2Verify(DraftStepKernel):
             for mt in cutlass.range_constexpr(cdiv(NQP // 16, W)):
                 q_tile = (mt * W + warp) * 16
                 if q_tile < NQP:
-                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
-                    rDot.fill(0.0)
-                    for kb in cutlass.range_constexpr(N // 8):
-                        rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-                        for i in cutlass.range_constexpr(4):
-                            rA[i, 0, 0] = sB[q_tile + g4 + 8 * (i % 2), 8 * kb + c4 + 4 * (i // 2)].to(Float32)
-                        rCb = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
-                        load_b_fragment(rCb, sC, 8 * kb, NT)
-                        mma_tf32(rDot, rA, rCb, not exact, not exact)
-                    for nt in cutlass.range_constexpr(NT):
-                        for i in cutlass.range_constexpr(4):
-                            q = q_tile + g4 + 8 * (i // 2)
-                            t = 8 * nt + 2 * c4 + i % 2
-                            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
-                            live = (q < NQ) & (t < T) & cutlass.select_(q < cap, j < h, q - cap <= t)
-                            dt_q = cute.arch.shuffle_sync(dt_j, j % 32)
-                            p_q = cute.arch.shuffle_sync(prefix, j % 32)
-                            p_t = cute.arch.shuffle_sync(prefix, (h + t) % 32)
-                            w = dt_q * cute.math.exp(A * (p_t - p_q), fastmath=False)
-                            sDot[t, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+                    weighted_dots(sDot, sB, sC, q_tile, dt_j, prefix, A, origin, h, g4, c4, cap, T, NQ, NT, N, exact)
             cute.arch.sync_threads()
 
             # The ring and draft terms X Dots^T, then S_ckpt C^T once the tile has landed.
             rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
-            rRing.fill(0.0)
-            for kq in cutlass.range_constexpr(KQ):
-                rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
-                for i in cutlass.range_constexpr(4):
-                    rA[i, 0, 0] = rX[i, kq]
-                rW = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
-                load_b_fragment(rW, sDot, 8 * kq, NT)
-                mma_tf32(rRing, rA, rW, not exact, True)
+            rows_times_dots(rRing, rX, sDot, not exact)
             cute.arch.mbarrier_wait(mbar + warp, 0)
             # a low-precision read copy, or on a flush the recurrence checkpoint, decoded into the tile
             fill_work_tile(copies, sState, sEntry, sEntryScale, entry_state_scale, flush, mCheckpoint, tensors, slot64,
@@ -323,17 +342,9 @@ class Mamba2Verify(DraftStepKernel):
                         mRingX[slot64, (origin + h + t) % cap, head, r] = x_t
 
             if flush:
-                # Fold the h committed records: S = gamma S + sum_{j < h} (w_j x_j) B_j^T with
-                # weights up to record h - 1, as a GEMM over ring positions (drafts not folded).
-                p_last = cute.arch.shuffle_sync(prefix, (h + 31) % 32)
-                w_fold = dt_j * cute.math.exp(A * (p_last - prefix), fastmath=False)
-                gamma = cute.math.exp(A * p_last, fastmath=False)
+                # Fold the h committed records as a GEMM over ring positions.
                 rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                for kf in cutlass.range_constexpr(KF):
-                    for i in cutlass.range_constexpr(4):
-                        q = 8 * kf + c4 + 4 * (i // 2)
-                        w = cute.arch.shuffle_sync(w_fold, (q - origin + cap) % cap)
-                        rCoef[i, kf] = cutlass.select_(q < cap, w * rX[i, kf], Float32(0.0))
+                gamma = fold_coefficients(rCoef, rX, dt_j, prefix, A, origin, h, c4, cap)
                 fold_work_tile(copies, sState, rCoef, sB, gamma, fold_cols(N), exact, mCheckpoint, tensors, slot64,
                                head, p_warp, sAmax, sr_key)
 

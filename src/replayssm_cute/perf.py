@@ -119,12 +119,26 @@ class _Layer:
         return cls._speculative(window).check(cls.kernel_shape(m, window, drafts), config, drafts)
 
     @classmethod
-    def default_speculative_config(cls, m, batch, window):
-        """verify's analytical launch config for the pool when given none (and none is tuned);
-        None for the snapshot baseline, which the sweeps time at the API's pick."""
+    def default_speculative_config(cls, m, batch, window, drafts):
+        """verify's analytical launch config for the pool of T = ``drafts`` when given none (and
+        none is tuned); None for the snapshot baseline, which the sweeps time at the API's pick."""
         if window == 1:
             return None
-        return cls.host.verify_kernel.default_config(cls.kernel_shape(m, window), batch_bucket(batch))
+        return cls.host.verify_kernel.default_config(cls.kernel_shape(m, window, drafts), batch_bucket(batch))
+
+    @classmethod
+    def speculative_space(cls, m, window, drafts):
+        """The pipelined verify's configs (``pipelined_verify_space``) where verify runs it by
+        default on the pool of T = ``drafts``; else [] (the tile grid serves)."""
+        import importlib
+
+        from .layers.common import sm_count, target_arch
+
+        default = cls.default_speculative_config(m, 1, window, drafts)
+        if default is None or not hasattr(default, "stages"):
+            return []
+        module = importlib.import_module(f"replayssm_cute.kernels.{m.layer}.pipelined_verify")
+        return module.pipelined_verify_space(cls.kernel_shape(m, window, drafts), sm_count(), target_arch())
 
 
 _LAYERS = {name: type(f"_{host.__name__}", (_Layer,), {"host": host}) for name, host in LAYERS.items()}

@@ -59,8 +59,13 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}], or for the pipelined decode
-    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_lanes{L}][_ctas{M}]:
-    a launch config in a variant's label (unique per config)."""
+    pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_lanes{L}][_ctas{M}],
+    or for the pipelined verify pipeverify{S}_grid{C}[_prefetch{F}][_ctas{M}]: a launch config in a
+    variant's label (unique per config)."""
+    if hasattr(config, "stages") and not hasattr(config, "consumer_groups"):  # the pipelined verify's
+        label = f"pipeverify{config.stages}_grid{config.ctas}"
+        label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
+        return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"
         if hasattr(config, "rows_per_item"):  # GDN's

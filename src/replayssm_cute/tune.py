@@ -51,7 +51,9 @@ on sm_90a Mamba-2 standard decode on an fp32 checkpoint, alone or next to an fp1
 ReplaySSM decode on the plain fp32 cache from batch 8 and next to a read copy from the 32 bucket;
 anywhere under REPLAYSSM_CUTE_PIPELINED=1) their space: stages, CTAs per SM, rows per item /
 consumer warp, Mamba-2's consumer groups and, next to a read copy, its heads per item
-(``pipelined_space``). A tuned
+(``pipelined_space``); where verify runs the pipelined verify (kernels/*/pipelined_verify.py: on
+sm_90a on an fp32 checkpoint, Mamba-2 always, GDN with T <= 4 drafts), its stages and CTAs per SM
+(``pipelined_verify_space``). A tuned
 entry replaces only a default of its own class, so run the tuner under REPLAYSSM_CUTE_PIPELINED=0 to
 tune the tile kernels where the pipeline is the default.
 """
@@ -176,20 +178,21 @@ class TuneTarget:
         return configs + self.pipelined_candidates(batches)
 
     def pipelined_candidates(self, batches=BATCH_BUCKETS) -> list:
-        """The pipelined decode's space (kernels/*/pipelined.py ``pipelined_space``) that the
-        kernel takes, where its default at some bucket of `batches` is the pipelined kernel (on the
-        targets it is the default on, or under REPLAYSSM_CUTE_PIPELINED=1); else []."""
+        """The pipelined kernel's space (decode: kernels/*/pipelined.py ``pipelined_space``;
+        verify: kernels/*/pipelined_verify.py ``pipelined_verify_space``) that the kernel takes,
+        where its default at some bucket of `batches` is the pipelined kernel (on the targets it is
+        the default on, or under REPLAYSSM_CUTE_PIPELINED=1); else []."""
         import importlib
 
         from .layers.common import sm_count, target_arch
 
-        if self.mode == "verify":
+        name = "pipelined_verify" if self.mode == "verify" else "pipelined"
+        module = importlib.import_module(f"replayssm_cute.kernels.{self.model.layer}.{name}")
+        default = getattr(module, f"{name}_config")(self.shape(), sm_count(), target_arch())
+        if default is None or not any(type(self.default_config(b)) is type(default) for b in batches):
             return []
-        module = importlib.import_module(f"replayssm_cute.kernels.{self.model.layer}.pipelined")
-        pipe_class = type(module.pipelined_config(self.shape(), sm_count(), target_arch()))
-        if not any(type(self.default_config(b)) is pipe_class for b in batches):
-            return []
-        return [c for c in module.pipelined_space(self.shape(), sm_count(), target_arch()) if self.check(c) is None]
+        return [c for c in getattr(module, f"{name}_space")(self.shape(), sm_count(), target_arch())
+                if self.check(c) is None]
 
     def batch_candidates(self, candidates, batch: int) -> list:
         """Of ``candidates``, those of the kernel that decode runs at ``batch`` (the default's

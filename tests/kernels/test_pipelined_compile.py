@@ -486,3 +486,119 @@ def test_items_of_several_heads_build_for_every_arch(arch, tmp_path):
         assert ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text) == (name != "nvfp4"), name
         assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text) == (
             name not in ("fp32", "gdn_fp8", "gdn_fp8_lanes8")), name
+
+
+def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
+    """The pipelined verify (kernels/mamba2/pipelined_verify.py): an fp32 checkpoint without a read
+    copy, 16-row warp tiles, a ring and 1 <= T <= min(16, max_draft, window); its stages (padded
+    state tiles, keys and values of every ring position and draft) fit the shared memory; the
+    space and the default (its first) at the cache's largest draft count: two CTAs an SM where two
+    fit, with registers capped for them, then one with the most stages."""
+    from replayssm_cute.kernels.mamba2.pipelined_verify import (Mamba2PipelinedVerify, pipelined_verify_config,
+                                                                pipelined_verify_space)
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig
+
+    check = Mamba2PipelinedVerify.check
+    drafts = Mamba2Shape(128, 64, 128, 8, 16, 24)  # max_draft 8
+    config = PipeVerifyConfig(3, 132)
+    assert check(drafts, config, 8) is None and check(drafts, config, 1) is None
+    for shape, T, words in [(drafts, 9, "num_drafts 9"), (drafts, 0, "num_drafts 0"),
+                            (Mamba2Shape(128, 64, 128, 8, 16, 24, read_copy="fp8"), 4, "without a read copy"),
+                            (Mamba2Shape(128, 64, 128, 8, 16, 24, checkpoint_format="fp16"), 4, "fp32 checkpoint"),
+                            (Mamba2Shape(128, 72, 128, 8, 16, 24), 4, "72 state rows"),
+                            (Mamba2Shape(128, 64, 48, 8, 16, 24), 4, "48 state columns"),
+                            (Mamba2Shape(128, 64, 128, 8, 24, 40), 8, "capacity 40")]:
+        assert words in check(shape, config, T), (shape, T)
+    assert "shared memory" in check(drafts, PipeVerifyConfig(8, 132), 8)
+    space = pipelined_verify_space(drafts, 132, "sm_90a")
+    # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4
+    assert space == [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0),
+                     PipeVerifyConfig(2, 132, 4, 0)]
+    assert all(check(drafts, c, 8) is None for c in space)
+    assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(3, 264, 4, 2), 8)
+    assert pipelined_verify_config(drafts, 132, "sm_90a") == space[0]
+    assert pipelined_verify_config(SUPER, 132, "sm_90a") is None and pipelined_verify_space(SUPER, 132, "sm_90a") == []
+    assert pipelined_verify_config(drafts, 148, "sm_100a").prefetch == 2
+    assert config_label(config) == "pipeverify3_grid132"
+    assert config_label(PipeVerifyConfig(2, 264, 2, 2)) == "pipeverify2_grid264_prefetch2_ctas2"
+
+
+def test_gdn_verify_config_takes_plain_fp32_caches():
+    """The GDN pipelined verify (kernels/gdn/pipelined_verify.py): the checks it shares with
+    Mamba-2's (value rows in 16-row warp tiles, key columns in one padded TMA box), no read copy and
+    no re-derivation; Qwen3.5-122B's padded (128, 132) tile leaves room for two stages at T = 8,
+    in one CTA an SM."""
+    from replayssm_cute.kernels.gdn.pipelined_verify import (GDNPipelinedVerify, pipelined_verify_config,
+                                                             pipelined_verify_space)
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig
+
+    check = GDNPipelinedVerify.check
+    drafts = GDNShape(64, 128, 128, 16, 16, 24)
+    assert check(drafts, PipeVerifyConfig(2, 132), 8) is None
+    assert "shared memory" in check(drafts, PipeVerifyConfig(4, 132), 8)
+    for fields, words in [(dict(read_copy="fp8", keep_v_beta=True, rederive=True), "re-derive"),
+                          (dict(read_copy="fp8"), "without a read copy"), (dict(head_v_dim=72), "72 state rows"),
+                          (dict(head_k_dim=48), "48 state columns")]:
+        assert words in check(GDNShape(**{**drafts.__dict__, **fields}), PipeVerifyConfig(2, 132), 4), fields
+    assert pipelined_verify_space(drafts, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4)]
+    assert pipelined_verify_config(drafts, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4)
+
+
+@pytest.mark.parametrize("layer, max_draft, by_default", [("mamba2", 8, True), ("gdn", 4, True), ("gdn", 8, False)])
+@pytest.mark.parametrize("forced", ["", "1", "0"])
+def test_verify_routing(monkeypatch, layer, max_draft, by_default, forced):
+    """On sm_90a verify runs the pipeline by default for Mamba-2 and for GDN caches of at most
+    PIPELINED_VERIFY_MAX_DRAFTS drafts; REPLAYSSM_CUTE_PIPELINED=1 asks for it anywhere it takes
+    the cache, =0 keeps the tile verify."""
+    from replayssm_cute.layers import LAYERS
+    from replayssm_cute.layers.gdn import PIPELINED_VERIFY_MAX_DRAFTS
+
+    assert PIPELINED_VERIFY_MAX_DRAFTS == 4
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv(PIPELINED_ENV, forced)
+    drafts = (Mamba2Shape(128, 64, 128, 8, 16, 16 + max_draft) if layer == "mamba2" else
+              GDNShape(64, 128, 128, 16, 16, 16 + max_draft))
+    kernel = LAYERS[layer].verify_kernel
+    config = kernel.default_config(drafts, 256)
+    assert (type(config).__name__ == "PipeVerifyConfig") == {"": by_default, "1": True, "0": False}[forced]
+    assert kernel.check(drafts, config, max_draft) is None
+
+
+_VERIFY_BUILD = """
+import os
+import sys
+from replayssm_cute.kernels.mamba2.config import Mamba2Shape
+from replayssm_cute.kernels.mamba2.pipelined_verify import compile_pipelined_verify, pipelined_verify_config
+from replayssm_cute.runtime.compile_cache import compile_options
+from replayssm_cute.kernels.gdn import pipelined_verify as gdn_verify
+from replayssm_cute.kernels.gdn.config import GDNShape
+for name, shape, T, module in [
+        ("super_T8", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None),
+        ("odd_T4_z", Mamba2Shape(12, 48, 64, 3, 8, 12, has_z=True), 4, None),
+        ("gdn_122b_T8", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify),
+        ("gdn_odd_T4_v_beta", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify)]:
+    pick, build = ((module.pipelined_verify_config, module.compile_pipelined_verify) if module else
+                   (pipelined_verify_config, compile_pipelined_verify))
+    config = pick(shape, 132, os.environ["CUTE_DSL_ARCH"])
+    fn = build(shape, config, T, compile_options("--keep-ptx", "--dump-dir " + sys.argv[1]))
+    open(sys.argv[1] + "/" + name + ".ptx", "w").write(fn.__ptx__)
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
+    """The pipelined verifies: Mamba-2 for Nemotron-3-Super (T = 8) and an odd shape with z (three
+    16-row warps, T = 4), GDN for Qwen3.5-122B (T = 8) and an odd shape keeping v and beta (four
+    warps, T = 4); for each target: the state tiles by TMA (a box per consumer warp), the GEMMs on
+    tensor cores (TF32), the consumers' named barrier, nothing in local memory."""
+    env = _env(tmp_path / "cache")
+    env["CUTE_DSL_ARCH"] = arch
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_BUILD, str(tmp_path)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
+    for name, warps in (("super_T8", 4), ("odd_T4_z", 3), ("gdn_122b_T8", 8), ("gdn_odd_T4_v_beta", 4)):
+        text = (tmp_path / f"{name}.ptx").read_text()
+        assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name
+        assert f"bar.sync \t1, {32 * warps};" in text, name
+        assert ".local" not in text, name

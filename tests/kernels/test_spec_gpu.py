@@ -5,7 +5,9 @@ recurrence run from the row's accepted stream, the checkpoint of every flushing 
 state of its committed records, materialized states after every commit, pad rows and untouched
 slots bit-identical, standard decode steps interleaved on the same cache (cursor == window after
 a commit included), and the verify + commit step captured in one CUDA graph (both layer types).
-verify's packed (varlen) form against the dense form, bit for bit, eager and captured.
+verify's packed (varlen) form against the dense form, bit for bit, eager and captured. The
+random-acceptance and CUDA-graph cases run on both verify kernels of each layer (``verify_kernel``:
+the tile kernel and the pipeline).
 """
 
 import copy
@@ -61,7 +63,7 @@ def _capture(step, slot_ids):
     ("odd", 8, 4, 24, False), ("odd", 8, 8, 24, False), ("super", 16, 8, 64, False), ("super", 16, 2, 37, False),
     ("odd", 5, 1, 9, False), ("odd", 8, 4, 24, True),
 ])
-def test_verify_commit_random_acceptance(shape, window, T, batch, poison):
+def test_verify_commit_random_acceptance(shape, window, T, batch, poison, verify_kernel):
     H, P, N, G = SHAPES[shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(window * 100 + T)
@@ -129,7 +131,7 @@ def test_verify_commit_random_acceptance(shape, window, T, batch, poison):
         assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
 
 
-def test_verify_commit_cuda_graph():
+def test_verify_commit_cuda_graph(verify_kernel):
     """One graph holds verify + commit; replays with fresh drafts and acceptance per row."""
     H, P, N, G = SHAPES["odd"]
     dev = torch.device("cuda")
@@ -202,7 +204,7 @@ def _gdn_fold_of_stored(cache, slot_ids, h, ckpt):
     ("odd", 8, 4, 24, False), ("odd", 8, 8, 24, False), ("qwen3.5-122b", 16, 4, 32, False), ("odd", 5, 1, 9, False),
     ("odd", 8, 4, 24, True),
 ])
-def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison):
+def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison, verify_kernel):
     """GDN verify (drafts' corrections by the triangular solve) + commit over 200 steps against the
     float64 recurrence on the accepted stream; checkpoints after flushes against the fold of
     the stored records; standard decode steps interleaved."""
@@ -267,7 +269,7 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison):
         assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
 
 
-def test_gdn_verify_commit_cuda_graph():
+def test_gdn_verify_commit_cuda_graph(verify_kernel):
     """One graph holds GDN verify + commit; replays with fresh drafts and acceptance per row, across
     flushes: outputs against the float64 recurrence on the accepted stream, checkpoints of flushing
     rows against the fold of their stored records and the recurrence, cursors after the commit."""

@@ -148,7 +148,7 @@ def test_speculative_configs_valid(name, window):
             full = bench.speculative_configs(model, batch, T, window)
             quick = bench.speculative_configs(model, batch, T, window, quick=True)
             assert full and quick == full[:len(quick)] and len(quick) <= 2 and len(full) <= bench.VERIFY_CANDIDATES
-            assert full[0] == layer.default_speculative_config(model, batch, window)
+            assert full[0] == layer.default_speculative_config(model, batch, window, T)
             assert (full[0] is None) == (window == 1)  # snapshot_verify picks its default inline
             assert len(set(full)) == len(full)
             assert all(layer.speculative_check(model, window, T, c) is None for c in full[1:])

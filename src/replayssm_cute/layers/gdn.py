@@ -29,6 +29,15 @@ from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_ge
 PIPELINED_MIN_BATCH = 8
 PIPELINED_READ_COPY_MIN_BATCH = 32
 
+# The pipelined verify (kernels/gdn/pipelined_verify.py) serves caches of at most this many drafts: faster than
+# the tile verify at T = 2 and 4, slower at T = 8, where its one CTA an SM of two whole-head stages is the limit
+# (sweeps/results/README.md, "Verify on the pipeline").
+PIPELINED_VERIFY_MAX_DRAFTS = 4
+
+
+def pipelined_verify_by_default(shape) -> bool:
+    return shape.capacity - shape.window <= PIPELINED_VERIFY_MAX_DRAFTS
+
 
 def pipelined_by_default(shape, bucket: int) -> bool:
     if shape.window == 1:
@@ -117,19 +126,31 @@ def _decode_build(shape, config, num_drafts: int, options: str):
 
 def _verify_default(shape, bucket: int):
     from ..kernels.gdn.defaults import default_gdn_verify_config
+    from ..kernels.gdn.pipelined_verify import pipelined_verify_config
 
+    config = pipelined_choice(shape, pipelined_verify_config, by_default=pipelined_verify_by_default(shape))
+    if config is not None:
+        return config
     return default_gdn_verify_config(shape.head_v_dim, bucket, whole_head(shape))
 
 
 def _verify_check(shape, config, num_drafts: int):
+    from ..kernels.gdn.pipelined_verify import GDNPipelinedVerify
     from ..kernels.gdn.verify import GDNVerify
+    from ..kernels.pipeline import PipeVerifyConfig
 
+    if isinstance(config, PipeVerifyConfig):
+        return GDNPipelinedVerify.check(shape, config, num_drafts)
     return GDNVerify.check(shape, config, num_drafts)
 
 
 def _verify_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.gdn.pipelined_verify import compile_pipelined_verify
     from ..kernels.gdn.verify import compile_verify
+    from ..kernels.pipeline import PipeVerifyConfig
 
+    if isinstance(config, PipeVerifyConfig):
+        return compile_pipelined_verify(shape, config, num_drafts, options)
     return compile_verify(shape, config, num_drafts, options)
 
 
@@ -188,14 +209,19 @@ class GDNLayer:
 
     @staticmethod
     def launch_configs(op: str) -> tuple:
-        """The launch config classes ``op`` takes: decode also the pipelined kernel's (imports cutlass)."""
+        """The launch config classes ``op`` takes: decode and verify also their pipelined kernel's
+        (imports cutlass)."""
         from ..kernels.gdn.config import GDNConfig
 
-        if op != "decode":
-            return (GDNConfig,)
-        from ..kernels.gdn.pipelined import GDNPipeConfig
+        if op == "decode":
+            from ..kernels.gdn.pipelined import GDNPipeConfig
 
-        return (GDNConfig, GDNPipeConfig)
+            return (GDNConfig, GDNPipeConfig)
+        if op == "verify":
+            from ..kernels.pipeline import PipeVerifyConfig
+
+            return (GDNConfig, PipeVerifyConfig)
+        return (GDNConfig,)
 
     @staticmethod
     def decode_args(cache, q=None, k=None, v=None, a=None, b=None, A_log=None, dt_bias=None, slot_ids=None, *,

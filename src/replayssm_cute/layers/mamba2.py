@@ -98,19 +98,33 @@ def _decode_build(shape, config, num_drafts: int, options: str):
 
 def _verify_default(shape, bucket: int):
     from ..kernels.mamba2.defaults import default_mamba2_verify_config
+    from ..kernels.mamba2.pipelined_verify import pipelined_verify_config
 
+    # the pipelined verify (kernels/mamba2/pipelined_verify.py) where it takes the cache: faster than the
+    # tile verify at every (batch, T, a) measured (sweeps/results/README.md, "Verify on the pipeline")
+    config = pipelined_choice(shape, pipelined_verify_config, by_default=True)
+    if config is not None:
+        return config
     return default_mamba2_verify_config(shape.headdim, bucket, whole_head(shape))
 
 
 def _verify_check(shape, config, num_drafts: int):
+    from ..kernels.mamba2.pipelined_verify import Mamba2PipelinedVerify
     from ..kernels.mamba2.verify import Mamba2Verify
+    from ..kernels.pipeline import PipeVerifyConfig
 
+    if isinstance(config, PipeVerifyConfig):
+        return Mamba2PipelinedVerify.check(shape, config, num_drafts)
     return Mamba2Verify.check(shape, config, num_drafts)
 
 
 def _verify_build(shape, config, num_drafts: int, options: str):
+    from ..kernels.mamba2.pipelined_verify import compile_pipelined_verify
     from ..kernels.mamba2.verify import compile_verify
+    from ..kernels.pipeline import PipeVerifyConfig
 
+    if isinstance(config, PipeVerifyConfig):
+        return compile_pipelined_verify(shape, config, num_drafts, options)
     return compile_verify(shape, config, num_drafts, options)
 
 
@@ -170,14 +184,19 @@ class Mamba2Layer:
 
     @staticmethod
     def launch_configs(op: str) -> tuple:
-        """The launch config classes ``op`` takes: decode also the pipelined kernel's (imports cutlass)."""
+        """The launch config classes ``op`` takes: decode and verify also their pipelined kernel's
+        (imports cutlass)."""
         from ..kernels.mamba2.config import Mamba2Config
 
-        if op != "decode":
-            return (Mamba2Config,)
-        from ..kernels.mamba2.pipelined import Mamba2PipeConfig
+        if op == "decode":
+            from ..kernels.mamba2.pipelined import Mamba2PipeConfig
 
-        return (Mamba2Config, Mamba2PipeConfig)
+            return (Mamba2Config, Mamba2PipeConfig)
+        if op == "verify":
+            from ..kernels.pipeline import PipeVerifyConfig
+
+            return (Mamba2Config, PipeVerifyConfig)
+        return (Mamba2Config,)
 
     @staticmethod
     def decode_args(cache, x, dt, A, B, C, slot_ids, D=None, z=None, dt_bias=None, dt_softplus=False, out=None):
