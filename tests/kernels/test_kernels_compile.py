@@ -261,7 +261,8 @@ def test_second_precompile_is_a_cache_hit(builds, model):
 #
 # The verify kernels (and commit) that `precompile --drafts` builds, at window 16: nemotron-super
 # with T = 2, 4, 8 (a cache of max_draft 8: 24 ring records) and nemotron-nano-4b with T = 4
-# (max_draft 4, headdim 80), each with the small- and large-batch launch configs verify picks,
+# (max_draft 4, headdim 80), each with the small- and large-batch launch configs verify picks (on
+# sm_90a the pipelined verify's one),
 # plus on sm_90a the decode kernels on the super draft cache (capacity 24 > window); sm_103a (whose
 # PTX is sm_100a's but for the .target line) takes the large-batch configs only, to save CI time.
 # One child process per arch compiles each kernel once, straight to PTX (precompile --dump-ptx
@@ -306,11 +307,14 @@ def _draft_kernels(model, drafts, with_decode, large_only):
             if (v.kind != "decode" or with_decode) and (v.config is None or v.config in large or not large_only)]
 
 
-def _verify_configs(model, large_only):
-    """How many launch configs precompile builds each verify kernel at: verify's defaults for small
-    and large batches (one where they agree, e.g. a head dim that takes 16-row tiles only)."""
+def _verify_configs(model, large_only, arch):
+    """How many launch configs precompile builds each verify kernel at: on sm_90a one, the pipelined
+    verify's (it serves every batch there); elsewhere the tile verify's defaults for small and large
+    batches (one where they agree, e.g. a head dim that takes 16-row tiles only)."""
     from replayssm_cute.kernels.mamba2.defaults import default_mamba2_verify_config
 
+    if arch == "sm_90a":
+        return 1
     m = get_model(model)
     return len({default_mamba2_verify_config(m.headdim, b) for b in ((1024,) if large_only else (1, 1024))})
 
@@ -377,7 +381,21 @@ def _per_arch_fixtures(all_name, one_name, build, prefix):
 draft_builds, draft_build = _per_arch_fixtures("draft_builds", "draft_build", DraftBuild, "drafts")
 
 
-def test_draft_kernels_are_built_with_one_ptx_file(draft_build):
+@pytest.fixture
+def draft_target(draft_build, monkeypatch):
+    """The build of one arch, with the launch configs picked for that arch (as its child did)."""
+    from replayssm_cute.runtime import launch
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", draft_build.arch)
+    monkeypatch.delenv("REPLAYSSM_CUTE_PIPELINED", raising=False)
+    launch.reload()
+    yield draft_build
+    monkeypatch.undo()
+    launch.reload()
+
+
+def test_draft_kernels_are_built_with_one_ptx_file(draft_target):
+    draft_build = draft_target
     kernels = draft_build.kernels()
     for model in DRAFT_CASES:
         header, built = draft_build.models[model]
@@ -386,7 +404,8 @@ def test_draft_kernels_are_built_with_one_ptx_file(draft_build):
         want = _draft_kernels(model, DRAFT_CASES[model], model in draft_build.decode_models,
                               draft_build.large_only)
         assert labels == [v.label for v in want], draft_build.tail()
-        assert sum("_verify_" in lb for lb in labels) == _verify_configs(model, draft_build.large_only) * len(DRAFT_CASES[model])
+        assert sum("_verify_" in lb for lb in labels) == (_verify_configs(model, draft_build.large_only, draft_build.arch)
+                                                          * len(DRAFT_CASES[model]))
         assert sum("_commit_" in lb for lb in labels) == len(DRAFT_CASES[model])
         assert sum("_plan_" in lb for lb in labels) == 1 + len(DRAFT_CASES[model])
         for label, _, path, _ in built:
