@@ -233,16 +233,19 @@ class PipeVerifyConfig:
     """Launch configuration of a pipelined verify (kernels/mamba2/pipelined_verify.py,
     kernels/gdn/pipelined_verify.py): ``stages`` items in shared memory per CTA, ``ctas`` CTAs in
     the persistent grid, ``prefetch`` items whose slot and plan the producer loads in one round
-    (a lane each), ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM. The
-    consumer warps follow from a head's state rows (16 each, the MMA's M)."""
+    (a lane each), ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
+    ``consumer_groups`` groups of consumer warps take turns at the items (group g the CTA's items
+    g, g + G, ...), so that a CTA computes that many items at once. A group's warps follow from a
+    head's state rows (16 each, the MMA's M)."""
 
     stages: int = 3
     ctas: int = 132
     prefetch: int = 4
     min_ctas_per_sm: int = 0
+    consumer_groups: int = 1
 
     def key(self):
-        return ("pipeverify", self.stages, self.ctas, self.prefetch, self.min_ctas_per_sm)
+        return ("pipeverify", self.stages, self.ctas, self.prefetch, self.min_ctas_per_sm, self.consumer_groups)
 
 
 def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: int, cols: int,
@@ -265,7 +268,8 @@ def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: in
                 f"{shape.capacity - shape.window}, window {shape.window})")
     if shape.capacity > MAX_CAPACITY:
         return f"ring capacity {shape.capacity} above {MAX_CAPACITY} (one lane per record)"
-    return (residency_check(config.stages, 1, 1 + rows // MMA_ROWS, config.min_ctas_per_sm)
+    warps = 1 + config.consumer_groups * (rows // MMA_ROWS)
+    return (residency_check(config.stages, config.consumer_groups, warps, config.min_ctas_per_sm)
             or pipeline_check(config.stages, config.ctas, smem_bytes, config.prefetch)
             or smem_fit(smem_bytes, config.min_ctas_per_sm))
 
@@ -275,22 +279,28 @@ def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: in
 # consumer warps sat idle through an item's barriers and dependent loads.
 VERIFY_CTAS_PER_SM = (2, 1)
 VERIFY_STAGE_CHOICES = (4, 3, 2)
+# Consumer groups a CTA: two compute two items at once where a second CTA does not fit (GDN's whole-head
+# stages). Tuned, not defaults: the space lists them after every one-group config.
+VERIFY_GROUP_CHOICES = (1, 2)
 
 
 def verify_space(shape, check: Callable, sm_count: int, arch: str) -> list:
     """The pipelined verify configs ``check(shape, config, T)`` takes at the cache's largest draft
-    count T: one or two CTAs an SM (two with registers capped for them), 2-4 stages, the target's
-    producer chunk; most CTAs an SM first, then most stages. [] where the cache has no room for a draft."""
+    count T: one or two consumer groups, one or two CTAs an SM (two with registers capped for
+    them), 2-4 stages, the target's producer chunk; one group first, then most CTAs an SM, then
+    most stages. [] where the cache has no room for a draft."""
     largest = min(MAX_DRAFT, shape.capacity - shape.window, shape.window)
     if largest < 1:
         return []
     # plain loops: the DSL's preprocessor of this module's jit functions trips on comprehensions' closures
     space = []
-    for per_sm in VERIFY_CTAS_PER_SM:
-        for stages in VERIFY_STAGE_CHOICES:
-            config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch), per_sm if per_sm > 1 else 0)
-            if check(shape, config, largest) is None:
-                space.append(config)
+    for groups in VERIFY_GROUP_CHOICES:
+        for per_sm in VERIFY_CTAS_PER_SM:
+            for stages in VERIFY_STAGE_CHOICES:
+                config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch),
+                                          per_sm if per_sm > 1 else 0, groups)
+                if check(shape, config, largest) is None:
+                    space.append(config)
     return space
 
 

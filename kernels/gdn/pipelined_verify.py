@@ -4,7 +4,8 @@ The step of ``kernels/gdn/verify.py`` (Algorithm 5: T drafts per row, outputs on
 read; the key products and GEMMs on tensor cores, TF32 hi / lo; the T x T forward substitution per
 row on CUDA cores) with the residency of ``kernels/gdn/pipelined.py``: a fixed grid of CTAs loops
 over work items, one per (batch row, value head), items ``bid, bid + grid, ...``. Warp 0 is the
-producer, the other warps (head_v_dim / 16 of them, a 16-row MMA tile each) consume:
+producer, the other warps consume in ``consumer_groups`` groups (head_v_dim / 16 warps a group, a
+16-row MMA tile each) that take turns at the items, group g the CTA's items g, g + G, ...:
 
 - the producer fills a ring of ``stages`` shared-memory stages (protocol: kernels/pipeline.py),
   each with everything an item needs: the head's (V, K) checkpoint as one padded 16-row TMA box per
@@ -19,8 +20,8 @@ producer, the other warps (head_v_dim / 16 of them, a 16-row MMA tile each) cons
   records and, where h + T > L, the fold of the h committed records into the checkpoint; then
   release the stage.
 
-The scratch the warps share (the normalised drafts, the weighted products) is double-buffered over
-the live items, as in ``kernels/mamba2/pipelined_verify.py``.
+The scratch a group's warps share (the normalised drafts, the weighted products) is double-buffered
+over the group's live items, as in ``kernels/mamba2/pipelined_verify.py``.
 
 Tensor contract: as ``kernels/gdn/verify.py`` (same arguments, same order), restricted to an fp32
 checkpoint without a read copy and without re-derivation (``GDNPipelinedVerify.check``): the
@@ -83,7 +84,8 @@ class GDNPipeVerifyDims:
     KF: int  # k-steps over the ring positions
     ST: int  # stages
     PF: int  # the producer's chunk of items
-    CW: int  # consumer warps: a 16-row tile each
+    CW: int  # consumer warps of a group: a 16-row tile each
+    CG: int  # consumer groups
     W: int  # a padded state row (K + TILE_PAD)
     vec: int  # a lane's consecutive elements of a K row
     act: type
@@ -94,7 +96,7 @@ def verify_dims(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int) -> G
     return GDNPipeVerifyDims(
         HV=s.num_v_heads, V=s.head_v_dim, K=s.head_k_dim, rep=s.num_v_heads // s.num_k_heads, L=s.window,
         cap=s.capacity, T=T, TP=round_up(T, 8), NQ=s.capacity + T, NQP=round_up(s.capacity + T, 16),
-        KF=cdiv(s.capacity, 8), ST=config.stages, PF=config.prefetch, CW=s.head_v_dim // MMA_ROWS,
+        KF=cdiv(s.capacity, 8), ST=config.stages, PF=config.prefetch, CW=s.head_v_dim // MMA_ROWS, CG=config.consumer_groups,
         W=s.head_k_dim + TILE_PAD, vec=s.k_vec, act=s.act_dtype)
 
 
@@ -102,9 +104,10 @@ class GDNPipeVerifySmem(NamedTuple):
     """The pipelined verify's shared memory (``GDNPipelinedVerify.shared_storage``). Per stage (the
     last mode): the head's padded state tiles (block ``stage * CW + cw`` is consumer warp cw's 16
     rows), the ring keys (zero rows to the fold's last k-step), the drafts' raw k, q and v, the
-    ring's corrections u and decays g, the drafts' raw gates and the item's scalars; then the
-    consumers' double-buffered scratch (the normalised drafts, the weighted key products) and each
-    consumer warp's rows' pre-substitution terms; a full and an empty mbarrier per stage."""
+    ring's corrections u and decays g, the drafts' raw gates and the item's scalars; then each
+    consumer group's double-buffered scratch (the normalised drafts, the weighted key products:
+    buffers 2 g and 2 g + 1 are group g's) and each consumer warp's rows' pre-substitution terms;
+    a full and an empty mbarrier per stage."""
 
     sState: cute.Tensor
     sKeys: cute.Tensor
@@ -144,10 +147,10 @@ class GDNPipelinedVerify:
 
     @staticmethod
     def smem_bytes(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int) -> int:
-        """The stages; the consumers' scratch in two buffers (the normalised drafts, the weighted
-        products) and each warp's pre-substitution terms."""
+        """The stages; each consumer group's scratch in two buffers (the normalised drafts, the
+        weighted products) and each consumer warp's pre-substitution terms."""
         d = verify_dims(shape, config, num_drafts)
-        scratch = 2 * (2 * d.TP * (d.K + 4) + 2 * d.TP * (d.NQP + 4)) * 4 + d.CW * MMA_ROWS * (2 * d.TP + 1) * 4
+        scratch = d.CG * (2 * (2 * d.TP * (d.K + 4) + 2 * d.TP * (d.NQP + 4)) * 4 + d.CW * MMA_ROWS * (2 * d.TP + 1) * 4)
         return stages_smem_bytes(config.stages, GDNPipelinedVerify.stage_bytes(shape, config, num_drafts)) + scratch + 64
 
     @staticmethod
@@ -190,7 +193,7 @@ class GDNPipelinedVerify:
         launch(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, GDNToken(mQ, mK, mV, mA, mB, mALog, mDtBias), mSlot, mOut,
             GDNRing(mRingU, mRingK, mRingG, mRingV, mRingBeta, mPlan),
-        ), [c.ctas, 1, 1], [32 * (1 + d.CW), 1, 1], stream, self.smem_bytes(s, c, self.num_drafts), c.min_ctas_per_sm)
+        ), [c.ctas, 1, 1], [32 * (1 + d.CG * d.CW), 1, 1], stream, self.smem_bytes(s, c, self.num_drafts), c.min_ctas_per_sm)
 
     @cute.kernel
     def kernel(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor, token: GDNToken,
@@ -226,10 +229,10 @@ class GDNPipelinedVerify:
         sGates = staged(smem, Float32, (2, TP), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
-        sDraft = staged(smem, Float32, (2 * TP, K), 2, row_pad=4)
-        sDot = staged(smem, Float32, (2 * TP, NQP), 2, row_pad=4)
+        sDraft = staged(smem, Float32, (2 * TP, K), 2 * d.CG, row_pad=4)
+        sDot = staged(smem, Float32, (2 * TP, NQP), 2 * d.CG, row_pad=4)
         sPre = smem.allocate_tensor(Float32, cute.make_layout(
-            (MMA_ROWS, 2 * TP, CW), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))), byte_alignment=16)
+            (MMA_ROWS, 2 * TP, d.CG * CW), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))), byte_alignment=16)
         full, empty = stage_barriers(smem, ST, CW)
         return GDNPipeVerifySmem(sState, sKeys, sDraftK, sDraftQ, sV, sRingU, sRingG, sGates, sMetaI, sMetaF, sDraft,
                                  sDot, sPre, full, empty)
@@ -313,9 +316,9 @@ class GDNPipelinedVerify:
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, sm: GDNPipeVerifySmem,
-                bid: Int32, grid: Int32, cw: Int32, lane: Int32, total: Int32):
-        """Consumer warp ``cw`` (rows 16 cw ..): the CTA's items, each from its stage (module
-        docstring), then the stage released."""
+                bid: Int32, grid: Int32, consumer: Int32, lane: Int32, total: Int32):
+        """Consumer warp number ``consumer``: warp ``cw`` (rows 16 cw ..) of group ``cg``; the
+        group's items of the CTA, each from its stage (module docstring), then the stage released."""
         s, d = self.shape, self.dims
         HV, K, rep, L, cap, T, TP, NQ, NQP, KF, ST, CW, vec, act = (d.HV, d.K, d.rep, d.L, d.cap, d.T, d.TP, d.NQ,
                                                                       d.NQP, d.KF, d.ST, d.CW, d.vec, d.act)
@@ -326,14 +329,20 @@ class GDNPipelinedVerify:
         num_slots = mCheckpoint.shape[0]
         g4 = lane // 4  # fragment row group
         c4 = lane % 4  # fragment column in the group
+        CG = d.CG
+        cg, cw, group_barrier = 0, consumer, CONSUMER_BARRIER  # one group: the barrier id a constant
+        if cutlass.const_expr(CG > 1):
+            cg = consumer // CW
+            cw = consumer % CW
+            group_barrier = CONSUMER_BARRIER + cg
         p_warp = cw * MMA_ROWS
         it = Int32(0)
-        live_items = Int32(0)  # the scratch buffer alternates over live items, which meet at the barriers
-        for item in cutlass.range(bid, total, grid, unroll=1):
+        live_items = Int32(0)  # the group's scratch buffer alternates over its live items, which meet at the barriers
+        for item in cutlass.range(bid + cg * grid, total, grid * CG, unroll=1):
             row = item // HV
             vhead = item % HV
             khead = vhead // rep
-            stage, phase = stage_of(it, ST)
+            stage, phase = stage_of(it * CG + cg, ST)
             wait_stage(sm.full, stage, phase)
             slot = sm.sMetaI[META_SLOT, stage]
             if slot_is_live(slot, num_slots, s.pad_slot_id):
@@ -341,7 +350,7 @@ class GDNPipelinedVerify:
                 h = sm.sMetaI[META_H, stage]
                 origin = sm.sMetaI[META_ORIGIN, stage]
                 flush = h + T > L
-                buf = live_items % 2
+                buf = 2 * cg + live_items % 2
                 sKeys = sm.sKeys[None, None, stage]
                 sDraft = sm.sDraft[None, None, buf]
                 sDot = sm.sDot[None, None, buf]
@@ -377,7 +386,7 @@ class GDNPipelinedVerify:
                     g_j = g_d
                     beta_j = beta_d
                 prefix = lane_scan(g_j)
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
+                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                 # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns a warp GEMM, weighted.
                 for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
@@ -385,58 +394,10 @@ class GDNPipelinedVerify:
                     if q_tile < NQP:
                         weighted_key_products(sDot, sKeys, sDraft, q_tile, prefix, origin, h, g4, c4, cap, T, TP, NQ, NT,
                                               K)
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
+                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
-                # U fragments: the rows' committed corrections at every ring position (zero where
-                # stale); the ring parts U Dots^T, then S_ckpt [k; q]^T from the stage's tile.
-                rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                for kf in cutlass.range_constexpr(KF):
-                    for i in cutlass.range_constexpr(4):
-                        q = 8 * kf + c4 + 4 * (i // 2)
-                        uv = sm.sRingU[cutlass.min(q, cap - 1), p_warp + g4 + 8 * (i % 2), stage].to(Float32)
-                        rU[i, kf] = cutlass.select_(q < cap, uv, Float32(0.0))
-                rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-                rows_times_dots(rRing, rU, sDot, False)
-                rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-                rSX.fill(0.0)
-                rows_times_columns(rSX, sm.sState, stage * CW + cw, sDraft, K // 8, False)
-                for nt in cutlass.range_constexpr(2 * NT):
-                    for i in cutlass.range_constexpr(4):
-                        xs = 8 * nt + 2 * c4 + i % 2
-                        gamma_s = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + xs % TP) % 32), fastmath=False)
-                        sm.sPre[g4 + 8 * (i // 2), xs, cw] = gamma_s * rSX[i, 0, nt] + rRing[i, 0, nt]
-                rBeta = cute.make_rmem_tensor((T,), Float32)
-                for dd in cutlass.range_constexpr(T):
-                    rBeta[dd] = cute.arch.shuffle_sync(beta_j, (h + dd) % 32)
-                cute.arch.sync_warp()
-
-                # Forward substitution for the drafts' u, then the outputs: lane r < 16 takes row r.
-                if lane < MMA_ROWS:
-                    i_row = p_warp + lane
-                    rUd = cute.make_rmem_tensor((T,), Float32)
-                    for dd in cutlass.range_constexpr(T):
-                        v_d = sm.sV[dd, i_row, stage]
-                        resid = v_d.to(Float32) - sm.sPre[lane, dd, cw]
-                        for e in cutlass.range_constexpr(dd):
-                            resid = resid - sDot[dd, cap + e] * rUd[e]
-                        rUd[dd] = rBeta[dd] * resid
-                        o = sm.sPre[lane, TP + dd, cw]
-                        for e in cutlass.range_constexpr(dd + 1):
-                            o = o + sDot[TP + dd, cap + e] * rUd[e]
-                        mOut[row, dd, vhead, i_row] = o.to(act)
-                        pos_d = (origin + h + dd) % cap
-                        mRingU[slot64, pos_d, vhead, i_row] = rUd[dd].to(cutlass.Float16)
-                        if cutlass.const_expr(s.keep_v_beta):
-                            mRingV[slot64, pos_d, vhead, i_row] = v_d
-
-                if flush:
-                    # Fold the h committed records as a GEMM over ring positions.
-                    rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                    gamma = fold_coefficients(rCoef, rU, prefix, origin, h, c4, cap)
-                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K), (cw, 0)),
-                                         sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(K), exact)
-
-                # The drafts' keys (once per key head) and decays (once per value head).
+                # The drafts' keys (once per key head) and decays (once per value head), here so that their
+                # values need no registers through the GEMMs below (no item reads a draft's position).
                 if cw == 0:
                     if vhead % rep == 0 and lane < KL:
                         for dd in cutlass.range_constexpr(T):
@@ -448,9 +409,68 @@ class GDNPipelinedVerify:
                         mRingG[slot64, (origin + lane) % cap, vhead] = g_j
                         if cutlass.const_expr(s.keep_v_beta):
                             mRingBeta[slot64, (origin + lane) % cap, vhead] = beta_j
+                # U fragments: the rows' committed corrections at every ring position (zero where
+                # stale); the ring parts U Dots^T, then S_ckpt [k; q]^T from the stage's tile.
+                rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                ring_corrections(rU, sm.sRingU[None, None, stage], p_warp, g4, c4, cap)
+                rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                rows_times_dots(rRing, rU, sDot, False)
+                rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                rSX.fill(0.0)
+                rows_times_columns(rSX, sm.sState, stage * CW + cw, sDraft, K // 8, False)
+                for nt in cutlass.range_constexpr(2 * NT):
+                    for i in cutlass.range_constexpr(4):
+                        xs = 8 * nt + 2 * c4 + i % 2
+                        gamma_s = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + xs % TP) % 32), fastmath=False)
+                        sm.sPre[g4 + 8 * (i // 2), xs, consumer] = gamma_s * rSX[i, 0, nt] + rRing[i, 0, nt]
+                rBeta = cute.make_rmem_tensor((T,), Float32)
+                for dd in cutlass.range_constexpr(T):
+                    rBeta[dd] = cute.arch.shuffle_sync(beta_j, (h + dd) % 32)
+                cute.arch.sync_warp()
+
+                # Forward substitution for the drafts' u, then the outputs: lane r < 16 takes row r.
+                if lane < MMA_ROWS:
+                    i_row = p_warp + lane
+                    rUd = cute.make_rmem_tensor((T,), Float32)
+                    for dd in cutlass.range_constexpr(T):
+                        v_d = sm.sV[dd, i_row, stage]
+                        resid = v_d.to(Float32) - sm.sPre[lane, dd, consumer]
+                        for e in cutlass.range_constexpr(dd):
+                            resid = resid - sDot[dd, cap + e] * rUd[e]
+                        rUd[dd] = rBeta[dd] * resid
+                        o = sm.sPre[lane, TP + dd, consumer]
+                        for e in cutlass.range_constexpr(dd + 1):
+                            o = o + sDot[TP + dd, cap + e] * rUd[e]
+                        mOut[row, dd, vhead, i_row] = o.to(act)
+                        pos_d = (origin + h + dd) % cap
+                        mRingU[slot64, pos_d, vhead, i_row] = rUd[dd].to(cutlass.Float16)
+                        if cutlass.const_expr(s.keep_v_beta):
+                            mRingV[slot64, pos_d, vhead, i_row] = v_d
+
+                if flush:
+                    # Fold the h committed records as a GEMM over ring positions.
+                    # (U reloaded, not held in registers through the GEMMs above)
+                    ring_corrections(rU, sm.sRingU[None, None, stage], p_warp, g4, c4, cap)
+                    rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                    gamma = fold_coefficients(rCoef, rU, prefix, origin, h, c4, cap)
+                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K), (cw, 0)),
+                                         sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(K), exact)
+
                 live_items = live_items + 1
             release_stage(sm.empty, stage)
             it = it + 1
+
+
+@cute.jit
+def ring_corrections(rU: cute.Tensor, sRingU: cute.Tensor, p_warp: Int32, g4: Int32, c4: Int32,
+                     cap: cutlass.Constexpr[int]):
+    """A consumer warp's A fragments (4, KF) of its 16 rows' committed corrections at every ring
+    position from a stage's (cap, V) fp16 ``sRingU`` (zero past the ring)."""
+    for kf in cutlass.range_constexpr(cute.size(rU, mode=[1])):
+        for i in cutlass.range_constexpr(4):
+            q = 8 * kf + c4 + 4 * (i // 2)
+            uv = sRingU[cutlass.min(q, cap - 1), p_warp + g4 + 8 * (i % 2)].to(Float32)
+            rU[i, kf] = cutlass.select_(q < cap, uv, Float32(0.0))
 
 
 def pipelined_verify_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:

@@ -3,8 +3,9 @@
 The step of ``kernels/mamba2/verify.py`` (Algorithm 2: T drafts per row, outputs only, one
 checkpoint read; the same GEMMs on tensor cores, TF32 hi / lo) with the residency of
 ``kernels/mamba2/pipelined.py``: a fixed grid of CTAs loops over work items, one per (batch row,
-head), items ``bid, bid + grid, ...``. Warp 0 is the producer, the other warps (headdim / 16 of
-them, a 16-row MMA tile each) consume:
+head), items ``bid, bid + grid, ...``. Warp 0 is the producer, the other warps consume in
+``consumer_groups`` groups (headdim / 16 warps a group, a 16-row MMA tile each) that take turns
+at the items, group g the CTA's items g, g + G, ...:
 
 - the producer fills a ring of ``stages`` shared-memory stages (protocol: kernels/pipeline.py),
   each with everything an item needs: the head's (P, N) checkpoint as one padded 16-row TMA box
@@ -18,9 +19,10 @@ them, a 16-row MMA tile each) consume:
   the T outputs, the drafts' x records and, where h + T > L, the fold of the h committed records
   into the checkpoint; then release the stage.
 
-The scratch the warps share (the drafts' fp32 C and the weighted Dots) is double-buffered over the
-live items (a pad row's item has no barrier), so two named barriers per item order it: a warp that
-writes a buffer has met every other warp at the barrier after they last read it.
+The scratch a group's warps share (the drafts' fp32 C and the weighted Dots) is double-buffered
+over the group's live items (a pad row's item has no barrier), so two named barriers (one a group)
+per item order it: a warp that writes a buffer has met every other warp of its group at the
+barrier after they last read it.
 
 Tensor contract: as ``kernels/mamba2/verify.py`` (same arguments, same order), restricted to an
 fp32 checkpoint without a read copy (``Mamba2PipelinedVerify.check``): the checkpoint scales, the
@@ -82,7 +84,8 @@ class Mamba2PipeVerifyDims:
     NQP: int  # NQ padded to the dot GEMM's 16 rows
     ST: int  # stages
     PF: int  # the producer's chunk of items
-    CW: int  # consumer warps: a 16-row tile each
+    CW: int  # consumer warps of a group: a 16-row tile each
+    CG: int  # consumer groups
     W: int  # a padded state row (N + TILE_PAD)
     vec: int  # a lane's consecutive elements of a row (N / 32)
     heads_per_group: int
@@ -94,7 +97,8 @@ def verify_dims(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -
     NQ = s.capacity + T
     return Mamba2PipeVerifyDims(
         H=s.nheads, P=s.headdim, N=s.dstate, G=s.ngroups, L=s.window, cap=s.capacity, T=T, TP=round_up(T, 8), NQ=NQ,
-        NQP=round_up(NQ, 16), ST=config.stages, PF=config.prefetch, CW=s.headdim // MMA_ROWS, W=s.dstate + TILE_PAD,
+        NQP=round_up(NQ, 16), ST=config.stages, PF=config.prefetch, CW=s.headdim // MMA_ROWS, CG=config.consumer_groups,
+        W=s.dstate + TILE_PAD,
         vec=s.dstate // 32, heads_per_group=s.nheads // s.ngroups, act=s.act_dtype)
 
 
@@ -103,8 +107,8 @@ class Mamba2PipeVerifySmem(NamedTuple):
     (the last mode): the head's padded state tiles (block ``stage * CW + cw`` is consumer warp
     cw's 16 rows), the keys (B at every ring position, then the drafts', zero rows after), the
     values (x likewise), the drafts' z and C, the ring's and the drafts' dt and the item's
-    scalars; then the consumers' double-buffered scratch (the drafts' fp32 C, the weighted Dots);
-    a full and an empty mbarrier per stage."""
+    scalars; then each consumer group's double-buffered scratch (the drafts' fp32 C, the weighted
+    Dots: buffers 2 g and 2 g + 1 are group g's); a full and an empty mbarrier per stage."""
 
     sState: cute.Tensor
     sKeys: cute.Tensor
@@ -143,9 +147,9 @@ class Mamba2PipelinedVerify:
 
     @staticmethod
     def smem_bytes(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -> int:
-        """The stages, and the consumers' scratch in two buffers: the drafts' fp32 C and the weighted Dots."""
+        """The stages, and each consumer group's scratch in two buffers: the drafts' fp32 C and the weighted Dots."""
         d = verify_dims(shape, config, num_drafts)
-        scratch = 2 * (d.TP * (d.N + 4) + d.TP * (d.NQP + 4)) * 4 + 64
+        scratch = 2 * d.CG * (d.TP * (d.N + 4) + d.TP * (d.NQP + 4)) * 4 + 64
         return stages_smem_bytes(config.stages, Mamba2PipelinedVerify.stage_bytes(shape, config, num_drafts)) + scratch
 
     @staticmethod
@@ -185,7 +189,7 @@ class Mamba2PipelinedVerify:
         launch(self.kernel(
             tma_atom, mRowsTma, mCheckpoint, Mamba2Token(mX, mDt, mA, mB, mC, mD, mZ, mDtBias), mSlot, mOut,
             Mamba2Ring(mRingX, mRingB, mRingDt, mPlan),
-        ), [c.ctas, 1, 1], [32 * (1 + d.CW), 1, 1], stream, self.smem_bytes(s, c, self.num_drafts), c.min_ctas_per_sm)
+        ), [c.ctas, 1, 1], [32 * (1 + d.CG * d.CW), 1, 1], stream, self.smem_bytes(s, c, self.num_drafts), c.min_ctas_per_sm)
 
     @cute.kernel
     def kernel(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor, token: Mamba2Token,
@@ -220,8 +224,8 @@ class Mamba2PipelinedVerify:
         sDraftDt = staged(smem, Float32, (TP,), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
-        sCf = staged(smem, Float32, (TP, N), 2, row_pad=4)
-        sDot = staged(smem, Float32, (TP, NQP), 2, row_pad=4)
+        sCf = staged(smem, Float32, (TP, N), 2 * d.CG, row_pad=4)
+        sDot = staged(smem, Float32, (TP, NQP), 2 * d.CG, row_pad=4)
         full, empty = stage_barriers(smem, ST, CW)
         return Mamba2PipeVerifySmem(sState, sKeys, sValues, sZ, sC, sRingDt, sDraftDt, sMetaI, sMetaF, sCf, sDot,
                                     full, empty)
@@ -308,9 +312,9 @@ class Mamba2PipelinedVerify:
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, sm: Mamba2PipeVerifySmem,
-                bid: Int32, grid: Int32, cw: Int32, lane: Int32, total: Int32):
-        """Consumer warp ``cw`` (rows 16 cw ..): the CTA's items, each from its stage (module
-        docstring), then the stage released."""
+                bid: Int32, grid: Int32, consumer: Int32, lane: Int32, total: Int32):
+        """Consumer warp number ``consumer``: warp ``cw`` (rows 16 cw ..) of group ``cg``; the
+        group's items of the CTA, each from its stage (module docstring), then the stage released."""
         s, d = self.shape, self.dims
         H, N, L, cap, T, TP, NQ, NQP, ST, CW, vec, act = (d.H, d.N, d.L, d.cap, d.T, d.TP, d.NQ, d.NQP, d.ST, d.CW,
                                                             d.vec, d.act)
@@ -322,14 +326,20 @@ class Mamba2PipelinedVerify:
         num_slots = mCheckpoint.shape[0]
         g4 = lane // 4  # fragment row group
         c4 = lane % 4  # fragment column in the group
+        CG = d.CG
+        cg, cw, group_barrier = 0, consumer, CONSUMER_BARRIER  # one group: the barrier id a constant
+        if cutlass.const_expr(CG > 1):
+            cg = consumer // CW
+            cw = consumer % CW
+            group_barrier = CONSUMER_BARRIER + cg
         p_warp = cw * MMA_ROWS
         it = Int32(0)
-        live_items = Int32(0)  # the scratch buffer alternates over live items, which meet at the barriers
-        for item in cutlass.range(bid, total, grid, unroll=1):
+        live_items = Int32(0)  # the group's scratch buffer alternates over its live items, which meet at the barriers
+        for item in cutlass.range(bid + cg * grid, total, grid * CG, unroll=1):
             row = item // H
             head = item % H
             group = head // d.heads_per_group
-            stage, phase = stage_of(it, ST)
+            stage, phase = stage_of(it * CG + cg, ST)
             wait_stage(sm.full, stage, phase)
             slot = sm.sMetaI[META_SLOT, stage]
             if slot_is_live(slot, num_slots, s.pad_slot_id):
@@ -337,7 +347,7 @@ class Mamba2PipelinedVerify:
                 h = sm.sMetaI[META_H, stage]
                 origin = sm.sMetaI[META_ORIGIN, stage]
                 flush = h + T > L
-                buf = live_items % 2
+                buf = 2 * cg + live_items % 2
                 sKeys = sm.sKeys[None, None, stage]
                 sValues = sm.sValues[None, None, stage]
                 sCf = sm.sCf[None, None, buf]
@@ -369,7 +379,7 @@ class Mamba2PipelinedVerify:
                     if cutlass.const_expr(s.dt_softplus):
                         dt_j = softplus(dt_j)
                 prefix = lane_scan(dt_j)
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
+                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                 # Dots (q, t) = B_q . C_t, 16 columns q a warp GEMM, weighted into sDot.
                 for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
@@ -377,7 +387,7 @@ class Mamba2PipelinedVerify:
                     if q_tile < NQP:
                         weighted_dots(sDot, sKeys, sCf, q_tile, dt_j, prefix, A, origin, h, g4, c4, cap, T, NQ, NT, N,
                                       exact)
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=32 * CW)
+                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
                 # X fragments: the warp's rows' x at every ring position (zero where stale) and
                 # draft, zero beyond; then the ring and draft terms X Dots^T.

@@ -3,6 +3,7 @@ kernels/gdn/pipelined.py): their config checks, and compile-only builds for sm_9
 sm_103a with PTX checks (no GPU)."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -511,9 +512,13 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
         assert words in check(shape, config, T), (shape, T)
     assert "shared memory" in check(drafts, PipeVerifyConfig(8, 132), 8)
     space = pipelined_verify_space(drafts, 132, "sm_90a")
-    # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4
+    # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4; two consumer
+    # groups (an even number of stages) only in one CTA an SM
     assert space == [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0),
-                     PipeVerifyConfig(2, 132, 4, 0)]
+                     PipeVerifyConfig(2, 132, 4, 0), PipeVerifyConfig(4, 132, 4, 0, 2),
+                     PipeVerifyConfig(2, 132, 4, 0, 2)]
+    assert "must divide the stages" in check(drafts, PipeVerifyConfig(3, 132, 4, 0, 2), 8)
+    assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(2, 264, 4, 2, 2), 8)
     assert all(check(drafts, c, 8) is None for c in space)
     assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(3, 264, 4, 2), 8)
     assert pipelined_verify_config(drafts, 132, "sm_90a") == space[0]
@@ -521,13 +526,14 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     assert pipelined_verify_config(drafts, 148, "sm_100a").prefetch == 2
     assert config_label(config) == "pipeverify3_grid132"
     assert config_label(PipeVerifyConfig(2, 264, 2, 2)) == "pipeverify2_grid264_prefetch2_ctas2"
+    assert config_label(PipeVerifyConfig(4, 132, 4, 0, 2)) == "pipeverify4_grid132_groups2"
 
 
 def test_gdn_verify_config_takes_plain_fp32_caches():
     """The GDN pipelined verify (kernels/gdn/pipelined_verify.py): the checks it shares with
     Mamba-2's (value rows in 16-row warp tiles, key columns in one padded TMA box), no read copy and
     no re-derivation; Qwen3.5-122B's padded (128, 132) tile leaves room for two stages at T = 8,
-    in one CTA an SM."""
+    in one CTA an SM, and at T = 4 for two consumer groups of one stage each."""
     from replayssm_cute.kernels.gdn.pipelined_verify import (GDNPipelinedVerify, pipelined_verify_config,
                                                              pipelined_verify_space)
     from replayssm_cute.kernels.pipeline import PipeVerifyConfig
@@ -542,6 +548,9 @@ def test_gdn_verify_config_takes_plain_fp32_caches():
         assert words in check(GDNShape(**{**drafts.__dict__, **fields}), PipeVerifyConfig(2, 132), 4), fields
     assert pipelined_verify_space(drafts, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4)]
     assert pipelined_verify_config(drafts, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4)
+    four = GDNShape(64, 128, 128, 16, 16, 20)
+    assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4), PipeVerifyConfig(2, 132, 4, 0, 2)]
+    assert "shared memory" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 2), 8)
 
 
 @pytest.mark.parametrize("layer, max_draft, by_default", [("mamba2", 8, True), ("gdn", 4, True), ("gdn", 8, False)])
@@ -572,14 +581,18 @@ from replayssm_cute.kernels.mamba2.pipelined_verify import compile_pipelined_ver
 from replayssm_cute.runtime.compile_cache import compile_options
 from replayssm_cute.kernels.gdn import pipelined_verify as gdn_verify
 from replayssm_cute.kernels.gdn.config import GDNShape
-for name, shape, T, module in [
-        ("super_T8", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None),
-        ("odd_T4_z", Mamba2Shape(12, 48, 64, 3, 8, 12, has_z=True), 4, None),
-        ("gdn_122b_T8", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify),
-        ("gdn_odd_T4_v_beta", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify)]:
+from replayssm_cute.kernels.pipeline import PipeVerifyConfig
+arch = os.environ["CUTE_DSL_ARCH"]
+for name, shape, T, module, groups in [
+        ("super_T8", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None, None),
+        ("odd_T4_z", Mamba2Shape(12, 48, 64, 3, 8, 12, has_z=True), 4, None, None),
+        ("gdn_122b_T8", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify, None),
+        ("gdn_odd_T4_v_beta", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify, None),
+        ("super_T8_groups", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None, PipeVerifyConfig(4, 132, 2, 0, 2)),
+        ("gdn_122b_T4_groups", GDNShape(64, 128, 128, 16, 16, 20), 4, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2))]:
     pick, build = ((module.pipelined_verify_config, module.compile_pipelined_verify) if module else
                    (pipelined_verify_config, compile_pipelined_verify))
-    config = pick(shape, 132, os.environ["CUTE_DSL_ARCH"])
+    config = groups or pick(shape, 132, arch)
     fn = build(shape, config, T, compile_options("--keep-ptx", "--dump-dir " + sys.argv[1]))
     open(sys.argv[1] + "/" + name + ".ptx", "w").write(fn.__ptx__)
 """
@@ -589,16 +602,20 @@ for name, shape, T, module in [
 def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
     """The pipelined verifies: Mamba-2 for Nemotron-3-Super (T = 8) and an odd shape with z (three
     16-row warps, T = 4), GDN for Qwen3.5-122B (T = 8) and an odd shape keeping v and beta (four
-    warps, T = 4); for each target: the state tiles by TMA (a box per consumer warp), the GEMMs on
-    tensor cores (TF32), the consumers' named barrier, nothing in local memory."""
+    warps, T = 4), and both with two consumer groups; for each target: the state tiles by TMA (a
+    box per consumer warp), the GEMMs on tensor cores (TF32), the consumers' named barrier (a
+    group's: its id a register), the CTA's warps, nothing in local memory."""
     env = _env(tmp_path / "cache")
     env["CUTE_DSL_ARCH"] = arch
     proc = subprocess.run([sys.executable, "-c", _VERIFY_BUILD, str(tmp_path)], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
-    for name, warps in (("super_T8", 4), ("odd_T4_z", 3), ("gdn_122b_T8", 8), ("gdn_odd_T4_v_beta", 4)):
+    for name, warps, groups in (("super_T8", 4, 1), ("odd_T4_z", 3, 1), ("gdn_122b_T8", 8, 1),
+                                ("gdn_odd_T4_v_beta", 4, 1), ("super_T8_groups", 4, 2), ("gdn_122b_T4_groups", 8, 2)):
         text = (tmp_path / f"{name}.ptx").read_text()
         assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name
-        assert f"bar.sync \t1, {32 * warps};" in text, name
+        assert f".reqntid {32 * (1 + groups * warps)}, 1, 1" in text, name
+        barrier = re.escape(f", {32 * warps};")
+        assert re.search((r"bar\.sync \t%r\d+" if groups > 1 else r"bar\.sync \t1") + barrier, text), name
         assert ".local" not in text, name
