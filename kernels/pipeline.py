@@ -324,6 +324,19 @@ def plan_scalars(first: Int32, stride: Int32, total: Int32, heads: cutlass.Const
 
 
 @cute.jit
+def consumer_place(consumer: Int32, warps: cutlass.Constexpr[int], groups: cutlass.Constexpr[int]):
+    """(group, warp in the group, the group's named barrier id) of consumer warp number
+    ``consumer`` of a pipelined verify, ``groups`` groups of ``warps``; with one group the group
+    and barrier are constants."""
+    group, warp, barrier = 0, consumer, CONSUMER_BARRIER
+    if cutlass.const_expr(groups > 1):
+        group = consumer // warps
+        warp = consumer % warps
+        barrier = CONSUMER_BARRIER + group
+    return group, warp, barrier
+
+
+@cute.jit
 def publish_tile_boxes(full: cute.Pointer, stage: Int32, live, boxes: cutlass.Constexpr[int],
                        box_bytes: cutlass.Constexpr[int], tma_atom: cute.CopyAtom, tSrc: cute.Tensor, first_box: Int32,
                        tDst: cute.Tensor):

@@ -54,7 +54,7 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols, fold_into_checkpoint, lane_scan,
                       launch, make_padded_row_tma, round_up, rows_times_columns, rows_times_dots, slot_is_live,
                       slot_rows)
-from ..pipeline import (CONSUMER_BARRIER, META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column,
+from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, default_verify_config, plan_scalars, publish_tile_boxes, release_stage,
                         rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, verify_pipe_check,
                         verify_space, wait_stage)
@@ -330,11 +330,7 @@ class GDNPipelinedVerify:
         g4 = lane // 4  # fragment row group
         c4 = lane % 4  # fragment column in the group
         CG = d.CG
-        cg, cw, group_barrier = 0, consumer, CONSUMER_BARRIER  # one group: the barrier id a constant
-        if cutlass.const_expr(CG > 1):
-            cg = consumer // CW
-            cw = consumer % CW
-            group_barrier = CONSUMER_BARRIER + cg
+        cg, cw, group_barrier = consumer_place(consumer, CW, CG)
         p_warp = cw * MMA_ROWS
         it = Int32(0)
         live_items = Int32(0)  # the group's scratch buffer alternates over its live items, which meet at the barriers
