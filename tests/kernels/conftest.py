@@ -8,10 +8,10 @@ from replayssm_cute.runtime import launch
 
 def _on_kernel(request, monkeypatch, op_kernel: str):
     """Run the case with REPLAYSSM_CUTE_PIPELINED set for ``request.param`` ("tiles", "pipelined",
-    or "grouped": the pipeline with two consumer groups, ``_grouped``), recording the launch
-    configs of the kernels whose names end in ``op_kernel``; then fail unless some launched and
-    every one is of the kind asked for."""
-    picked = []
+    or "regrouped": the pipeline with the other number of consumer groups, ``_regrouped``),
+    recording the launch configs of the kernels whose names end in ``op_kernel``; then fail unless
+    some launched and every one is of the kind asked for."""
+    picked, regrouped = [], []
     pipelined = request.param != "tiles"
     monkeypatch.setenv(PIPELINED_ENV, "1" if pipelined else "0")
     compiled = launch.compiled
@@ -21,34 +21,36 @@ def _on_kernel(request, monkeypatch, op_kernel: str):
         return compiled(kernel, shape, config, num_drafts)
 
     monkeypatch.setattr(launch, "compiled", recording)
-    if request.param == "grouped":
-        monkeypatch.setattr(launch, "picked_config", _grouped(launch.picked_config))
+    if request.param == "regrouped":
+        monkeypatch.setattr(launch, "picked_config", _regrouped(launch.picked_config, regrouped))
     launch.reload()
     yield request.param
     monkeypatch.undo()
     launch.reload()
     launched = [cfg for name, cfg in picked if name.endswith(op_kernel)]
     assert launched and all(("Pipe" in type(cfg).__name__) == pipelined for cfg in launched), picked
-    if request.param == "grouped":
-        assert all(cfg.consumer_groups == 2 for cfg in launched), picked
+    if request.param == "regrouped":
+        assert all(cfg in regrouped for cfg in launched), (picked, regrouped)
 
 
-def _grouped(picked_config):
-    """``launch.picked_config`` with a pipelined verify's pick replaced by its two-group form (one
-    CTA an SM, the most stages the kernel takes, 4 or 2); other picks as they were."""
+def _regrouped(picked_config, regrouped: list):
+    """``launch.picked_config`` with a pipelined verify's pick replaced by one of the other number
+    of consumer groups (1 <-> 2; one CTA an SM, the most stages the kernel takes), appended to
+    ``regrouped``; other picks as they were."""
     from replayssm_cute.kernels.pipeline import PipeVerifyConfig
 
-    def grouped(kernel, shape, batch, num_drafts=0):
+    def regroup(kernel, shape, batch, num_drafts=0):
         config, tuned = picked_config(kernel, shape, batch, num_drafts)
         if isinstance(config, PipeVerifyConfig):
             ctas = config.ctas // max(config.min_ctas_per_sm, 1)
-            for stages in (4, 2):
-                candidate = PipeVerifyConfig(stages, ctas, config.prefetch, 0, 2)
+            for stages in (4, 3, 2):
+                candidate = PipeVerifyConfig(stages, ctas, config.prefetch, 0, 3 - config.consumer_groups)
                 if kernel.check(shape, candidate, num_drafts) is None:
+                    regrouped.append(candidate)
                     return candidate, tuned
         return config, tuned
 
-    return grouped
+    return regroup
 
 
 @pytest.fixture(params=["tiles", "pipelined"])
@@ -60,10 +62,10 @@ def decode_kernel(request, monkeypatch):
     yield from _on_kernel(request, monkeypatch, "_decode")
 
 
-@pytest.fixture(params=["tiles", "pipelined", "grouped"])
+@pytest.fixture(params=["tiles", "pipelined", "regrouped"])
 def verify_kernel(request, monkeypatch):
     """A verify case on both verify kernels of its layer: the tile kernel (kernels/*/verify.py,
     REPLAYSSM_CUTE_PIPELINED=0) and the persistent pipeline (kernels/*/pipelined_verify.py,
-    REPLAYSSM_CUTE_PIPELINED=1) at its default and with two consumer groups. The case fails unless
-    its verify steps launched the kernel (and groups) asked for."""
+    REPLAYSSM_CUTE_PIPELINED=1), at its default and with the other number of consumer groups (one
+    or two). The case fails unless its verify steps launched the kernel (and groups) asked for."""
     yield from _on_kernel(request, monkeypatch, "_verify")

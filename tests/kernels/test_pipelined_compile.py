@@ -512,11 +512,11 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
         assert words in check(shape, config, T), (shape, T)
     assert "shared memory" in check(drafts, PipeVerifyConfig(8, 132), 8)
     space = pipelined_verify_space(drafts, 132, "sm_90a")
-    # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4; two consumer
-    # groups (an even number of stages) only in one CTA an SM
-    assert space == [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0),
-                     PipeVerifyConfig(2, 132, 4, 0), PipeVerifyConfig(4, 132, 4, 0, 2),
-                     PipeVerifyConfig(2, 132, 4, 0, 2)]
+    # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4, with two
+    # consumer groups (an even number of stages) or one; most items in flight an SM first
+    assert space == [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0, 2),
+                     PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0),
+                     PipeVerifyConfig(2, 132, 4, 0)]
     assert "must divide the stages" in check(drafts, PipeVerifyConfig(3, 132, 4, 0, 2), 8)
     assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(2, 264, 4, 2, 2), 8)
     assert all(check(drafts, c, 8) is None for c in space)
@@ -533,7 +533,7 @@ def test_gdn_verify_config_takes_plain_fp32_caches():
     """The GDN pipelined verify (kernels/gdn/pipelined_verify.py): the checks it shares with
     Mamba-2's (value rows in 16-row warp tiles, key columns in one padded TMA box), no read copy and
     no re-derivation; Qwen3.5-122B's padded (128, 132) tile leaves room for two stages at T = 8,
-    in one CTA an SM, and at T = 4 for two consumer groups of one stage each."""
+    in one CTA an SM, and at T = 4 for two consumer groups of one stage each (the default there)."""
     from replayssm_cute.kernels.gdn.pipelined_verify import (GDNPipelinedVerify, pipelined_verify_config,
                                                              pipelined_verify_space)
     from replayssm_cute.kernels.pipeline import PipeVerifyConfig
@@ -549,7 +549,8 @@ def test_gdn_verify_config_takes_plain_fp32_caches():
     assert pipelined_verify_space(drafts, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4)]
     assert pipelined_verify_config(drafts, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4)
     four = GDNShape(64, 128, 128, 16, 16, 20)
-    assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4), PipeVerifyConfig(2, 132, 4, 0, 2)]
+    assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(2, 132, 4)]
+    assert pipelined_verify_config(four, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4, 0, 2)
     assert "shared memory" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 2), 8)
 
 
