@@ -60,7 +60,7 @@ from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquir
                         verify_space, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
-from .verify import fold_coefficients, weighted_key_products
+from .verify import fold_coefficients, store_draft_records, weighted_key_products
 
 META = 4  # scalars of an item staged by the producer (int32 / fp32 each)
 META_A_LOG, META_DT_BIAS = 0, 1  # its fp32 slots
@@ -395,16 +395,8 @@ class GDNPipelinedVerify:
                 # The drafts' keys (once per key head) and decays (once per value head), here so that their
                 # values need no registers through the GEMMs below (no item reads a draft's position).
                 if cw == 0:
-                    if vhead % rep == 0 and lane < KL:
-                        for dd in cutlass.range_constexpr(T):
-                            rKd = cute.make_rmem_tensor((vec,), Float32)
-                            cute.autovec_copy(cute.local_tile(sDraft[dd, None], (vec,), (lane,)), rKd)
-                            for e in cutlass.range_constexpr(vec):
-                                mRingK[slot64, (origin + h + dd) % cap, khead, lane * vec + e] = rKd[e].to(act)
-                    if lane >= h and lane < h + T:
-                        mRingG[slot64, (origin + lane) % cap, vhead] = g_j
-                        if cutlass.const_expr(s.keep_v_beta):
-                            mRingBeta[slot64, (origin + lane) % cap, vhead] = beta_j
+                    store_draft_records(mRingK, mRingG, mRingBeta, sDraft, slot64, khead,
+                                        vhead, vhead % rep == 0, origin, h, g_j, beta_j, lane, cap, T, KL, vec)
                 # U fragments: the rows' committed corrections at every ring position (zero where
                 # stale); the ring parts U Dots^T, then S_ckpt [k; q]^T from the stage's tile.
                 rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)

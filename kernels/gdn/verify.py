@@ -107,6 +107,27 @@ def weighted_key_products(sDot: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Te
 
 
 @cute.jit
+def store_draft_records(mRingK: cute.Tensor, mRingG: cute.Tensor, mRingBeta: Optional[cute.Tensor], sDraft: cute.Tensor,
+                        slot64: Int64, khead: Int32, vhead: Int32, with_keys, origin: Int32, h: Int32, g_j: Float32,
+                        beta_j: Float32, lane: Int32, cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int],
+                        KL: cutlass.Constexpr[int], vec: cutlass.Constexpr[int]):
+    """One warp stores the drafts' records past the h committed ones (ring position (origin + h +
+    d) % cap): where ``with_keys`` (once per key head), the normalised keys of rows 0..T-1 of
+    ``sDraft`` (lane < KL: ``vec`` elements of each); lane h + d, draft d's decay g (and beta where
+    ``mRingBeta`` is given) of the value head."""
+    if with_keys and lane < KL:
+        for d in cutlass.range_constexpr(T):
+            rKd = cute.make_rmem_tensor((vec,), Float32)
+            cute.autovec_copy(cute.local_tile(sDraft[d, None], (vec,), (lane,)), rKd)
+            for e in cutlass.range_constexpr(vec):
+                mRingK[slot64, (origin + h + d) % cap, khead, lane * vec + e] = rKd[e].to(mRingK.element_type)
+    if lane >= h and lane < h + T:
+        mRingG[slot64, (origin + lane) % cap, vhead] = g_j
+        if cutlass.const_expr(mRingBeta is not None):
+            mRingBeta[slot64, (origin + lane) % cap, vhead] = beta_j
+
+
+@cute.jit
 def fold_coefficients(rCoef: cute.Tensor, rU: cute.Tensor, prefix: Float32, origin: Int32, h: Int32, c4: Int32,
                       cap: cutlass.Constexpr[int]) -> Float32:
     """A flush's fold of the h committed records, S = gamma S + sum_{j < h} (w_j u_j) k_j^T with
@@ -399,16 +420,8 @@ class GDNVerify(DraftStepKernel):
 
             # The drafts' keys (once per key head) and decays (once per value head).
             if ptile == 0 and warp == 0:
-                if vhead % rep == 0 and lane < KL:
-                    for d in cutlass.range_constexpr(T):
-                        rKd = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(cute.local_tile(sDraft[d, None], (vec,), (lane,)), rKd)
-                        for e in cutlass.range_constexpr(vec):
-                            mRingK[slot64, (origin + h + d) % cap, khead, lane * vec + e] = rKd[e].to(act)
-                if lane >= h and lane < h + T:
-                    mRingG[slot64, (origin + lane) % cap, vhead] = g_j
-                    if cutlass.const_expr(s.keep_v_beta):
-                        mRingBeta[slot64, (origin + lane) % cap, vhead] = beta_j
+                store_draft_records(mRingK, mRingG, mRingBeta, sDraft, slot64, khead,
+                                    vhead, vhead % rep == 0, origin, h, g_j, beta_j, lane, cap, T, KL, vec)
 
 
 def fake_inputs(shape: GDNShape, num_drafts: int):
