@@ -98,8 +98,7 @@ def verify_dims(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -
     return Mamba2PipeVerifyDims(
         H=s.nheads, P=s.headdim, N=s.dstate, G=s.ngroups, L=s.window, cap=s.capacity, T=T, TP=round_up(T, 8), NQ=NQ,
         NQP=round_up(NQ, 16), ST=config.stages, PF=config.prefetch, CW=s.headdim // MMA_ROWS, CG=config.consumer_groups,
-        W=s.dstate + TILE_PAD,
-        vec=s.dstate // 32, heads_per_group=s.nheads // s.ngroups, act=s.act_dtype)
+        W=s.dstate + TILE_PAD, vec=s.dstate // 32, heads_per_group=s.nheads // s.ngroups, act=s.act_dtype)
 
 
 class Mamba2PipeVerifySmem(NamedTuple):
