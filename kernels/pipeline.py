@@ -274,39 +274,33 @@ def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: in
             or smem_fit(smem_bytes, config.min_ctas_per_sm))
 
 
-# CTAs an SM a pipelined verify's default asks for, most first. Measured on the H200 (Nemotron-3-Super,
-# T = 2 / 4 / 8, batch 64 / 256): two CTAs of 2 stages took 0.72-0.85x the time of one of 4, whose 4
-# consumer warps sat idle through an item's barriers and dependent loads.
-VERIFY_CTAS_PER_SM = (2, 1)
+# (CTAs an SM, consumer groups a CTA) of a pipelined verify, in the space's (and so the default's)
+# order: two items in flight an SM first. Measured on the H200 (Nemotron-3-Super, T = 2 / 4 / 8,
+# batch 64 / 256): two CTAs of 2 stages took 0.72-0.85x the time of one of 4, whose 4 consumer warps
+# sat idle through an item's barriers and dependent loads. Where a second CTA does not fit (GDN's
+# whole-head stages), two groups took 0.94-0.99x the time of one (H100, Qwen3.5-122B, T = 2 / 4,
+# batch 64 / 256); where it fits it beats a second group (Nemotron-3-Super: two CTAs an SM took
+# 0.85-0.92x the time of one CTA of two groups).
+VERIFY_RESIDENCIES = ((2, 1), (1, 2), (1, 1))
 VERIFY_STAGE_CHOICES = (4, 3, 2)
-# Consumer groups a CTA: two compute two items at once where a second CTA does not fit (GDN's
-# whole-head stages: two groups took 0.94-0.99x the time of one on an H100, Qwen3.5-122B, T = 2 / 4,
-# batch 64 / 256); where a second CTA fits it is faster than a second group (Nemotron-3-Super:
-# two CTAs an SM took 0.85-0.92x the time of one CTA of two groups).
-VERIFY_GROUP_CHOICES = (1, 2)
 
 
 def verify_space(shape, check: Callable, sm_count: int, arch: str) -> list:
     """The pipelined verify configs ``check(shape, config, T)`` takes at the cache's largest draft
-    count T: one or two CTAs an SM (two with registers capped for them) of one consumer group, or
-    one of two groups (at most two items in flight an SM), 2-4 stages, the target's producer
-    chunk; two items in flight first, then most CTAs an SM, then most stages. [] where the cache
-    has no room for a draft."""
+    count T: the residencies of ``VERIFY_RESIDENCIES`` in order (two CTAs an SM with registers
+    capped for them, one of two consumer groups, one of one), each with 2-4 stages, most first,
+    and the target's producer chunk. [] where the cache has no room for a draft."""
     largest = min(MAX_DRAFT, shape.capacity - shape.window, shape.window)
     if largest < 1:
         return []
     # plain loops: the DSL's preprocessor of this module's jit functions trips on comprehensions' closures
     space = []
-    for in_flight in (2, 1):
-        for per_sm in VERIFY_CTAS_PER_SM:
-            for groups in VERIFY_GROUP_CHOICES:
-                if per_sm * groups != in_flight:
-                    continue
-                for stages in VERIFY_STAGE_CHOICES:
-                    config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch),
-                                              per_sm if per_sm > 1 else 0, groups)
-                    if check(shape, config, largest) is None:
-                        space.append(config)
+    for per_sm, groups in VERIFY_RESIDENCIES:
+        for stages in VERIFY_STAGE_CHOICES:
+            config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch), per_sm if per_sm > 1 else 0,
+                                      groups)
+            if check(shape, config, largest) is None:
+                space.append(config)
     return space
 
 
