@@ -34,18 +34,17 @@ def _on_kernel(request, monkeypatch, op_kernel: str):
 
 
 def _regrouped(picked_config, regrouped: list):
-    """``launch.picked_config`` with a pipelined verify's pick replaced by one of the other number
-    of consumer groups (1 <-> 2; one CTA an SM, the most stages the kernel takes), appended to
-    ``regrouped``; other picks as they were."""
-    from replayssm_cute.kernels.pipeline import PipeVerifyConfig
+    """``launch.picked_config`` with a pipelined verify's pick replaced by the first config of the
+    kernel's space (``pipeline.verify_space``) of the other number of consumer groups (1 <-> 2),
+    appended to ``regrouped``; other picks as they were."""
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig, verify_space
+    from replayssm_cute.layers.common import sm_count, target_arch
 
     def regroup(kernel, shape, batch, num_drafts=0):
         config, tuned = picked_config(kernel, shape, batch, num_drafts)
         if isinstance(config, PipeVerifyConfig):
-            ctas = config.ctas // max(config.min_ctas_per_sm, 1)
-            for stages in (4, 3, 2):
-                candidate = PipeVerifyConfig(stages, ctas, config.prefetch, 0, 3 - config.consumer_groups)
-                if kernel.check(shape, candidate, num_drafts) is None:
+            for candidate in verify_space(shape, kernel.check, sm_count(), target_arch()):
+                if candidate.consumer_groups != config.consumer_groups:
                     regrouped.append(candidate)
                     return candidate, tuned
         return config, tuned
