@@ -236,25 +236,32 @@ class PipeVerifyConfig:
     (a lane each), ``min_ctas_per_sm`` > 0 caps registers so that many CTAs fit an SM;
     ``consumer_groups`` groups of consumer warps take turns at the items (group g the CTA's items
     g, g + G, ...), so that a CTA computes that many items at once. A group's warps follow from a
-    head's state rows (16 each, the MMA's M)."""
+    head's state rows (16 each, the MMA's M). ``heads_per_unit`` > 1 (GDN: the value heads of a
+    key head) hands a group units of that many consecutive items of one row (``unit_item``), so
+    that what the heads share is computed once per unit."""
 
     stages: int = 3
     ctas: int = 132
     prefetch: int = 4
     min_ctas_per_sm: int = 0
     consumer_groups: int = 1
+    heads_per_unit: int = 1
 
     def key(self):
-        return ("pipeverify", self.stages, self.ctas, self.prefetch, self.min_ctas_per_sm, self.consumer_groups)
+        return ("pipeverify", self.stages, self.ctas, self.prefetch, self.min_ctas_per_sm, self.consumer_groups,
+                self.heads_per_unit)
 
 
 def verify_pipe_check(config: PipeVerifyConfig, shape, num_drafts: int, rows: int, cols: int,
-                      smem_bytes: int) -> Optional[str]:
+                      smem_bytes: int, unit_heads: int = 1) -> Optional[str]:
     """Why a pipelined verify cannot take (shape, config, T), or None: an fp32 checkpoint without
     a read copy, ``rows`` state rows a head in 16-row warp tiles, ``cols`` columns (a multiple of
     32) in one padded TMA box a row, a ring, 1 <= T <= min(16, max_draft, window), the ring in one
-    lane per record, and the warps, stages and ``smem_bytes`` of shared memory."""
+    lane per record, heads a unit dividing ``unit_heads`` (the heads that share a unit's work), and
+    the warps, stages and ``smem_bytes`` of shared memory."""
     T = num_drafts
+    if config.heads_per_unit < 1 or unit_heads % config.heads_per_unit:
+        return f"heads_per_unit {config.heads_per_unit}: expected a divisor of {unit_heads}"
     if shape.checkpoint_format != "fp32" or shape.read_copy is not None:
         return "the pipelined verify takes an fp32 checkpoint without a read copy"
     if cols % 32 or cols + TILE_PAD > 256:
@@ -285,22 +292,24 @@ VERIFY_RESIDENCIES = ((2, 1), (1, 2), (1, 1))
 VERIFY_STAGE_CHOICES = (4, 3, 2)
 
 
-def verify_space(shape, check: Callable, sm_count: int, arch: str) -> list:
+def verify_space(shape, check: Callable, sm_count: int, arch: str, unit_heads: int = 1) -> list:
     """The pipelined verify configs ``check(shape, config, T)`` takes at the cache's largest draft
     count T: the residencies of ``VERIFY_RESIDENCIES`` in order (two CTAs an SM with registers
     capped for them, one of two consumer groups, one of one), each with 2-4 stages, most first,
-    and the target's producer chunk. [] where the cache has no room for a draft."""
+    and the target's producer chunk; items of one head, then (``unit_heads`` > 1) units of
+    ``unit_heads`` heads. [] where the cache has no room for a draft."""
     largest = min(MAX_DRAFT, shape.capacity - shape.window, shape.window)
     if largest < 1:
         return []
     # plain loops: the DSL's preprocessor of this module's jit functions trips on comprehensions' closures
     space = []
-    for per_sm, groups in VERIFY_RESIDENCIES:
-        for stages in VERIFY_STAGE_CHOICES:
-            config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch), per_sm if per_sm > 1 else 0,
-                                      groups)
-            if check(shape, config, largest) is None:
-                space.append(config)
+    for heads in sorted({1, unit_heads}):
+        for per_sm, groups in VERIFY_RESIDENCIES:
+            for stages in VERIFY_STAGE_CHOICES:
+                config = PipeVerifyConfig(stages, per_sm * sm_count, producer_prefetch(arch),
+                                          per_sm if per_sm > 1 else 0, groups, heads)
+                if check(shape, config, largest) is None:
+                    space.append(config)
     return space
 
 
@@ -314,13 +323,46 @@ def default_verify_config(shape, check: Callable, sm_count: int, arch: str) -> O
 @cute.jit
 def plan_scalars(first: Int32, stride: Int32, total: Int32, heads: cutlass.Constexpr[int], prefetch: cutlass.Constexpr[int],
                  mSlot: cute.Tensor, mPlan: cute.Tensor, rInt: cute.Tensor):
-    """Lane u < prefetch: (slot, h, origin) of item ``first + u stride`` (clamped to the last item;
-    ``heads`` items a batch row) into ``rInt``, loaded by batch row."""
-    item = cutlass.min(first + (cute.arch.lane_idx() % prefetch) * stride, total - 1)
+    """Lane u < prefetch: (slot, h, origin) of item ``first + u stride`` (``item_plan_scalars``)."""
+    item_plan_scalars(first + (cute.arch.lane_idx() % prefetch) * stride, total, heads, mSlot, mPlan, rInt)
+
+
+@cute.jit
+def item_plan_scalars(item: Int32, total: Int32, heads: cutlass.Constexpr[int], mSlot: cute.Tensor, mPlan: cute.Tensor,
+                      rInt: cute.Tensor):
+    """(slot, h, origin) of a lane's ``item`` (clamped to the last item; ``heads`` items a batch
+    row) into ``rInt``, loaded by batch row."""
+    item = cutlass.min(item, total - 1)
     row = item // heads
     rInt[0] = mSlot[row]
     rInt[1] = mPlan[row, 1]
     rInt[2] = mPlan[row, 2]
+
+
+@cute.jit
+def unit_item(bid: Int32, grid: Int32, n: Int32, heads_per_unit: cutlass.Constexpr[int],
+              groups: cutlass.Constexpr[int]) -> Int32:
+    """The item of CTA ``bid``'s stage use number ``n`` (stage ``n % stages``, consumer group ``n %
+    groups``, that group's use ``n // groups``): with one head a unit, item ``bid + n grid``; with
+    U heads a unit, the group's ``(n // groups) // U``-th unit of the CTA's units ``bid, bid + grid,
+    ...`` (the group's every ``groups``-th from ``n % groups``), its item ``(n // groups) % U``; a
+    unit's U items are ``unit U ..``. Beyond the last item where the CTA's units run out."""
+    item = bid + n * grid
+    if cutlass.const_expr(heads_per_unit > 1):
+        use = n // groups
+        unit = bid + ((use // heads_per_unit) * groups + n % groups) * grid
+        item = unit * heads_per_unit + use % heads_per_unit
+    return item
+
+
+@cute.jit
+def unit_uses(bid: Int32, grid: Int32, total: Int32, heads_per_unit: cutlass.Constexpr[int],
+              groups: cutlass.Constexpr[int]) -> Int32:
+    """How many stage uses ``n`` CTA ``bid`` numbers (``unit_item``): every group's units, padded
+    to whole rounds of the groups (uses past the last item are skipped)."""
+    units = total // heads_per_unit
+    mine = (units - bid + grid - 1) // grid  # >= 0: bid < grid
+    return ((mine + groups - 1) // groups) * groups * heads_per_unit
 
 
 @cute.jit

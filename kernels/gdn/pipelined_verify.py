@@ -55,12 +55,12 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
                       launch, make_padded_row_tma, round_up, rows_times_columns, rows_times_dots, slot_is_live,
                       slot_rows)
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
-                        copy_records_async, default_verify_config, plan_scalars, publish_tile_boxes, release_stage,
-                        rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, verify_pipe_check,
-                        verify_space, wait_stage)
+                        copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
+                        release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, unit_item,
+                        unit_uses, verify_pipe_check, verify_space, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
-from .verify import fold_coefficients, store_draft_records, weighted_key_products
+from .verify import fold_coefficients, key_products, store_draft_records, weigh_key_product, weighted_key_products
 
 META = 4  # scalars of an item staged by the producer (int32 / fp32 each)
 META_A_LOG, META_DT_BIAS = 0, 1  # its fp32 slots
@@ -86,6 +86,7 @@ class GDNPipeVerifyDims:
     PF: int  # the producer's chunk of items
     CW: int  # consumer warps of a group: a 16-row tile each
     CG: int  # consumer groups
+    U: int  # value heads a unit (1, or a key head's)
     W: int  # a padded state row (K + TILE_PAD)
     vec: int  # a lane's consecutive elements of a K row
     act: type
@@ -97,7 +98,7 @@ def verify_dims(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int) -> G
         HV=s.num_v_heads, V=s.head_v_dim, K=s.head_k_dim, rep=s.num_v_heads // s.num_k_heads, L=s.window,
         cap=s.capacity, T=T, TP=round_up(T, 8), NQ=s.capacity + T, NQP=round_up(s.capacity + T, 16),
         KF=cdiv(s.capacity, 8), ST=config.stages, PF=config.prefetch, CW=s.head_v_dim // MMA_ROWS, CG=config.consumer_groups,
-        W=s.head_k_dim + TILE_PAD, vec=s.k_vec, act=s.act_dtype)
+        U=config.heads_per_unit, W=s.head_k_dim + TILE_PAD, vec=s.k_vec, act=s.act_dtype)
 
 
 class GDNPipeVerifySmem(NamedTuple):
@@ -121,6 +122,7 @@ class GDNPipeVerifySmem(NamedTuple):
     sMetaF: cute.Tensor
     sDraft: cute.Tensor
     sDot: cute.Tensor
+    sRaw: cute.Tensor
     sPre: cute.Tensor
     full: cute.Pointer
     empty: cute.Pointer
@@ -147,10 +149,13 @@ class GDNPipelinedVerify:
 
     @staticmethod
     def smem_bytes(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int) -> int:
-        """The stages; each consumer group's scratch in two buffers (the normalised drafts, the
-        weighted products) and each consumer warp's pre-substitution terms."""
+        """The stages; each consumer group's scratch (the normalised drafts, in two buffers or one
+        a unit with the unit's raw products; the weighted products in two buffers) and each
+        consumer warp's pre-substitution terms."""
         d = verify_dims(shape, config, num_drafts)
-        scratch = d.CG * (2 * (2 * d.TP * (d.K + 4) + 2 * d.TP * (d.NQP + 4)) * 4 + d.CW * MMA_ROWS * (2 * d.TP + 1) * 4)
+        drafts, dots = 2 * d.TP * (d.K + 4) * 4, 2 * d.TP * (d.NQP + 4) * 4
+        units = drafts + dots if d.U > 1 else 2 * drafts  # a unit's drafts and raw products, or per item
+        scratch = d.CG * (units + 2 * dots + d.CW * MMA_ROWS * (2 * d.TP + 1) * 4)
         return stages_smem_bytes(config.stages, GDNPipelinedVerify.stage_bytes(shape, config, num_drafts)) + scratch + 64
 
     @staticmethod
@@ -158,7 +163,8 @@ class GDNPipelinedVerify:
         if shape.rederive:
             return "the pipelined verify does not re-derive corrections (a read-copy cache's flush)"
         return verify_pipe_check(config, shape, num_drafts, shape.head_v_dim, shape.head_k_dim,
-                                 GDNPipelinedVerify.smem_bytes(shape, config, num_drafts))
+                                 GDNPipelinedVerify.smem_bytes(shape, config, num_drafts),
+                                 shape.num_v_heads // shape.num_k_heads)
 
     @cute.jit
     def __call__(
@@ -229,13 +235,16 @@ class GDNPipelinedVerify:
         sGates = staged(smem, Float32, (2, TP), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
-        sDraft = staged(smem, Float32, (2 * TP, K), 2 * d.CG, row_pad=4)
+        sDraft = staged(smem, Float32, (2 * TP, K), d.CG if d.U > 1 else 2 * d.CG, row_pad=4)
         sDot = staged(smem, Float32, (2 * TP, NQP), 2 * d.CG, row_pad=4)
+        sRaw = sDot  # (unread with one head a unit)
+        if cutlass.const_expr(d.U > 1):
+            sRaw = staged(smem, Float32, (2 * TP, NQP), d.CG, row_pad=4)
         sPre = smem.allocate_tensor(Float32, cute.make_layout(
             (MMA_ROWS, 2 * TP, d.CG * CW), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))), byte_alignment=16)
         full, empty = stage_barriers(smem, ST, CW)
         return GDNPipeVerifySmem(sState, sKeys, sDraftK, sDraftQ, sV, sRingU, sRingG, sGates, sMetaI, sMetaF, sDraft,
-                                 sDot, sPre, full, empty)
+                                 sDot, sRaw, sPre, full, empty)
 
     @cute.jit
     def produce(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor, token: GDNToken,
@@ -263,17 +272,20 @@ class GDNPipelinedVerify:
         copy4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         rInt = cute.make_rmem_tensor((3,), Int32)
         rIntNext = cute.make_rmem_tensor((3,), Int32)
-        plan_scalars(bid, grid, total, HV, PF, mSlot, mPlan, rInt)
-        chunk = Int32(0)
-        for first in cutlass.range(bid, total, grid * PF, unroll=1):
-            plan_scalars(first + grid * PF, grid, total, HV, PF, mSlot, mPlan, rIntNext)
+        item_plan_scalars(unit_item(bid, grid, lane % PF, d.U, d.CG), total, HV, mSlot, mPlan, rInt)
+        for first in cutlass.range(0, unit_uses(bid, grid, total, d.U, d.CG), PF, unroll=1):
+            item_plan_scalars(unit_item(bid, grid, first + PF + lane % PF, d.U, d.CG), total, HV, mSlot, mPlan,
+                              rIntNext)
             for u in cutlass.range_constexpr(PF):
-                item = first + u * grid
+                item = unit_item(bid, grid, first + u, d.U, d.CG)
                 if item < total:
                     row = item // HV
                     vhead = item % HV
                     khead = vhead // rep
-                    stage, phase = stage_of(chunk * PF + u, ST)
+                    stage, phase = stage_of(first + u, ST)
+                    lead = True  # the unit's first item: its products need the keys and drafts
+                    if cutlass.const_expr(d.U > 1):
+                        lead = item % d.U == 0
                     slot = cute.arch.shuffle_sync(rInt[0], u)
                     h = cute.arch.shuffle_sync(rInt[1], u)
                     origin = cute.arch.shuffle_sync(rInt[2], u)
@@ -281,20 +293,22 @@ class GDNPipelinedVerify:
                     acquire_stage(sm.empty, stage, phase)
                     if live:
                         slot64 = Int64(slot)
-                        # the live records (stale positions as zeros)
-                        copy_records_async(copy_key, mRingK[slot64, None, khead, None],
-                                           rows_at(sm.sKeys[None, None, stage], 0, cap), per16, origin, h)
+                        # the live records (stale positions as zeros); keys for the products or a fold
+                        if lead or h + T > d.L:
+                            copy_records_async(copy_key, mRingK[slot64, None, khead, None],
+                                               rows_at(sm.sKeys[None, None, stage], 0, cap), per16, origin, h)
                         copy_records_async(copy_u, mRingU[slot64, None, vhead, None], sm.sRingU[None, None, stage], 8,
                                            origin, h)
                         sRingG = cute.make_tensor(sm.sRingG[None, stage].iterator, cute.make_layout((cap,)))
                         copy_records_async(copy4, as_column(mRingG[slot64, None, vhead]), as_column(sRingG), 1,
                                            origin, h)
                         # the drafts' raw k, q, v and gates, plain loads (any batch stride)
-                        for e in cutlass.range_constexpr(cdiv(T * K, 32)):
-                            i = e * 32 + lane
-                            if i < T * K:
-                                sm.sDraftK[i // K, i % K, stage] = mK[row, i // K, khead, i % K]
-                                sm.sDraftQ[i // K, i % K, stage] = mQ[row, i // K, khead, i % K]
+                        if lead:
+                            for e in cutlass.range_constexpr(cdiv(T * K, 32)):
+                                i = e * 32 + lane
+                                if i < T * K:
+                                    sm.sDraftK[i // K, i % K, stage] = mK[row, i // K, khead, i % K]
+                                    sm.sDraftQ[i // K, i % K, stage] = mQ[row, i // K, khead, i % K]
                         for e in cutlass.range_constexpr(cdiv(T * V, 32)):
                             i = e * 32 + lane
                             if i < T * V:
@@ -312,7 +326,6 @@ class GDNPipelinedVerify:
                     box0 = Int32((Int64(slot) * (HV * V) + vhead * V) // MMA_ROWS)
                     publish_tile_boxes(sm.full, stage, live, CW, box_bytes, tma_atom, t_g, box0, t_s)
             rInt.store(rIntNext.load())
-            chunk = chunk + 1
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: GDNRing, sm: GDNPipeVerifySmem,
@@ -332,121 +345,172 @@ class GDNPipelinedVerify:
         CG = d.CG
         cg, cw, group_barrier = consumer_place(consumer, CW, CG)
         p_warp = cw * MMA_ROWS
-        it = Int32(0)
         live_items = Int32(0)  # the group's scratch buffer alternates over its live items, which meet at the barriers
-        for item in cutlass.range(bid + cg * grid, total, grid * CG, unroll=1):
-            row = item // HV
-            vhead = item % HV
-            khead = vhead // rep
-            stage, phase = stage_of(it * CG + cg, ST)
-            wait_stage(sm.full, stage, phase)
-            slot = sm.sMetaI[META_SLOT, stage]
-            if slot_is_live(slot, num_slots, s.pad_slot_id):
-                slot64 = Int64(slot)
-                h = sm.sMetaI[META_H, stage]
-                origin = sm.sMetaI[META_ORIGIN, stage]
-                flush = h + T > L
-                buf = 2 * cg + live_items % 2
-                sKeys = sm.sKeys[None, None, stage]
-                sDraft = sm.sDraft[None, None, buf]
-                sDot = sm.sDot[None, None, buf]
+        for n in cutlass.range(cg, unit_uses(bid, grid, total, d.U, CG), CG, unroll=1):
+            item = unit_item(bid, grid, n, d.U, CG)
+            if item < total:
+                row = item // HV
+                vhead = item % HV
+                khead = vhead // rep
+                stage, phase = stage_of(n, ST)
+                wait_stage(sm.full, stage, phase)
+                slot = sm.sMetaI[META_SLOT, stage]
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    slot64 = Int64(slot)
+                    h = sm.sMetaI[META_H, stage]
+                    origin = sm.sMetaI[META_ORIGIN, stage]
+                    flush = h + T > L
+                    sKeys = sm.sKeys[None, None, stage]
+                    buf = 2 * cg + live_items % 2
+                    sDot = sm.sDot[None, None, buf]
+                    lead = True  # the unit's first item: it normalises the drafts and forms the raw products
+                    sDraft = sm.sDraft[None, None, buf]
+                    if cutlass.const_expr(d.U > 1):
+                        lead = item % d.U == 0
+                        sDraft = sm.sDraft[None, None, cg]
+                    if lead:
+                        if cutlass.const_expr(d.U > 1):
+                            # the group's last unit is done with its drafts and raw products
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        # The drafts' normalised keys (rows 0..T-1) and queries (rows TP..TP+T-1),
+                        # zero between: a draft a warp in turn.
+                        for tt in cutlass.range_constexpr(cdiv(TP, CW)):
+                            d_row = tt * CW + cw
+                            if d_row < TP:
+                                rK = cute.make_rmem_tensor((vec,), Float32)
+                                rQ = cute.make_rmem_tensor((vec,), Float32)
+                                rK.fill(0.0)
+                                rQ.fill(0.0)
+                                if d_row < T and lane < KL:
+                                    for e in cutlass.range_constexpr(vec):
+                                        rK[e] = sm.sDraftK[d_row, lane * vec + e, stage].to(Float32)
+                                        rQ[e] = sm.sDraftQ[d_row, lane * vec + e, stage].to(Float32)
+                                normalize_qk(rK, rQ, vec, s.q_scale)
+                                if lane < KL:
+                                    cute.autovec_copy(rK, cute.local_tile(sDraft[d_row, None], (vec,), (lane,)))
+                                    cute.autovec_copy(rQ, cute.local_tile(sDraft[TP + d_row, None], (vec,), (lane,)))
+                        if cutlass.const_expr(d.U > 1):
+                            # the unit's raw products k_col . x_s: 16 key columns a warp GEMM
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                            for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
+                                q_tile = (mt * CW + cw) * 16
+                                if q_tile < NQP:
+                                    raw_key_products(sm.sRaw[None, None, cg], sKeys, sDraft, q_tile, g4, c4, cap, T,
+                                                     NT, K)
 
-                # The drafts' normalised keys (rows 0..T-1) and queries (rows TP..TP+T-1), zero
-                # between: a draft a warp in turn.
-                for tt in cutlass.range_constexpr(cdiv(TP, CW)):
-                    d_row = tt * CW + cw
-                    if d_row < TP:
-                        rK = cute.make_rmem_tensor((vec,), Float32)
-                        rQ = cute.make_rmem_tensor((vec,), Float32)
-                        rK.fill(0.0)
-                        rQ.fill(0.0)
-                        if d_row < T and lane < KL:
-                            for e in cutlass.range_constexpr(vec):
-                                rK[e] = sm.sDraftK[d_row, lane * vec + e, stage].to(Float32)
-                                rQ[e] = sm.sDraftQ[d_row, lane * vec + e, stage].to(Float32)
-                        normalize_qk(rK, rQ, vec, s.q_scale)
-                        if lane < KL:
-                            cute.autovec_copy(rK, cute.local_tile(sDraft[d_row, None], (vec,), (lane,)))
-                            cute.autovec_copy(rQ, cute.local_tile(sDraft[TP + d_row, None], (vec,), (lane,)))
+                    # Lane j: g of record j in order (committed j < h, draft d at lane h + d); beta of
+                    # draft d at lane h + d; the inclusive prefix sums P_j.
+                    g_rec = sm.sRingG[(origin + lane) % cap, stage]
+                    g_j = Float32(0.0)
+                    beta_j = Float32(0.0)
+                    if lane < h:
+                        g_j = g_rec
+                    if lane >= h and lane < h + T:
+                        g_d, beta_d = gdn_gates(sm.sGates[0, lane - h, stage], sm.sGates[1, lane - h, stage],
+                                                sm.sMetaF[META_A_LOG, stage], sm.sMetaF[META_DT_BIAS, stage])
+                        g_j = g_d
+                        beta_j = beta_d
+                    prefix = lane_scan(g_j)
+                    if cutlass.const_expr(d.U > 1):
+                        # the head's weights on the unit's raw products, element-wise
+                        if lead:
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        weigh_unit_products(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, prefix, origin, h,
+                                            cap, T, TP, NQ, NQP)
+                    else:
+                        cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns a warp GEMM, weighted.
+                        for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
+                            q_tile = (mt * CW + cw) * 16
+                            if q_tile < NQP:
+                                weighted_key_products(sDot, sKeys, sDraft, q_tile, prefix, origin, h, g4, c4, cap, T,
+                                                      TP, NQ, NT, K)
+                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
 
-                # Lane j: g of record j in order (committed j < h, draft d at lane h + d); beta of
-                # draft d at lane h + d; the inclusive prefix sums P_j.
-                g_rec = sm.sRingG[(origin + lane) % cap, stage]
-                g_j = Float32(0.0)
-                beta_j = Float32(0.0)
-                if lane < h:
-                    g_j = g_rec
-                if lane >= h and lane < h + T:
-                    g_d, beta_d = gdn_gates(sm.sGates[0, lane - h, stage], sm.sGates[1, lane - h, stage],
-                                            sm.sMetaF[META_A_LOG, stage], sm.sMetaF[META_DT_BIAS, stage])
-                    g_j = g_d
-                    beta_j = beta_d
-                prefix = lane_scan(g_j)
-                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-
-                # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns a warp GEMM, weighted.
-                for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
-                    q_tile = (mt * CW + cw) * 16
-                    if q_tile < NQP:
-                        weighted_key_products(sDot, sKeys, sDraft, q_tile, prefix, origin, h, g4, c4, cap, T, TP, NQ, NT,
-                                              K)
-                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-
-                # The drafts' keys (once per key head) and decays (once per value head), here so that their
-                # values need no registers through the GEMMs below (no item reads a draft's position).
-                if cw == 0:
-                    store_draft_records(mRingK, mRingG, mRingBeta, sDraft, slot64, khead,
-                                        vhead, vhead % rep == 0, origin, h, g_j, beta_j, lane, cap, T, KL, vec)
-                # U fragments: the rows' committed corrections at every ring position (zero where
-                # stale); the ring parts U Dots^T, then S_ckpt [k; q]^T from the stage's tile.
-                rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                ring_corrections(rU, sm.sRingU[None, None, stage], p_warp, g4, c4, cap)
-                rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-                rows_times_dots(rRing, rU, sDot, False)
-                rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-                rSX.fill(0.0)
-                rows_times_columns(rSX, sm.sState, stage * CW + cw, sDraft, K // 8, False)
-                for nt in cutlass.range_constexpr(2 * NT):
-                    for i in cutlass.range_constexpr(4):
-                        xs = 8 * nt + 2 * c4 + i % 2
-                        gamma_s = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + xs % TP) % 32), fastmath=False)
-                        sm.sPre[g4 + 8 * (i // 2), xs, consumer] = gamma_s * rSX[i, 0, nt] + rRing[i, 0, nt]
-                rBeta = cute.make_rmem_tensor((T,), Float32)
-                for dd in cutlass.range_constexpr(T):
-                    rBeta[dd] = cute.arch.shuffle_sync(beta_j, (h + dd) % 32)
-                cute.arch.sync_warp()
-
-                # Forward substitution for the drafts' u, then the outputs: lane r < 16 takes row r.
-                if lane < MMA_ROWS:
-                    i_row = p_warp + lane
-                    rUd = cute.make_rmem_tensor((T,), Float32)
-                    for dd in cutlass.range_constexpr(T):
-                        v_d = sm.sV[dd, i_row, stage]
-                        resid = v_d.to(Float32) - sm.sPre[lane, dd, consumer]
-                        for e in cutlass.range_constexpr(dd):
-                            resid = resid - sDot[dd, cap + e] * rUd[e]
-                        rUd[dd] = rBeta[dd] * resid
-                        o = sm.sPre[lane, TP + dd, consumer]
-                        for e in cutlass.range_constexpr(dd + 1):
-                            o = o + sDot[TP + dd, cap + e] * rUd[e]
-                        mOut[row, dd, vhead, i_row] = o.to(act)
-                        pos_d = (origin + h + dd) % cap
-                        mRingU[slot64, pos_d, vhead, i_row] = rUd[dd].to(cutlass.Float16)
-                        if cutlass.const_expr(s.keep_v_beta):
-                            mRingV[slot64, pos_d, vhead, i_row] = v_d
-
-                if flush:
-                    # Fold the h committed records as a GEMM over ring positions.
-                    # (U reloaded, not held in registers through the GEMMs above)
+                    # The drafts' keys (once per key head) and decays (once per value head), here so that their
+                    # values need no registers through the GEMMs below (no item reads a draft's position).
+                    if cw == 0:
+                        store_draft_records(mRingK, mRingG, mRingBeta, sDraft, slot64, khead,
+                                            vhead, vhead % rep == 0, origin, h, g_j, beta_j, lane, cap, T, KL, vec)
+                    # U fragments: the rows' committed corrections at every ring position (zero where
+                    # stale); the ring parts U Dots^T, then S_ckpt [k; q]^T from the stage's tile.
+                    rU = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
                     ring_corrections(rU, sm.sRingU[None, None, stage], p_warp, g4, c4, cap)
-                    rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                    gamma = fold_coefficients(rCoef, rU, prefix, origin, h, c4, cap)
-                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K), (cw, 0)),
-                                         sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(K), exact)
+                    rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                    rows_times_dots(rRing, rU, sDot, False)
+                    rSX = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                    rSX.fill(0.0)
+                    rows_times_columns(rSX, sm.sState, stage * CW + cw, sDraft, K // 8, False)
+                    for nt in cutlass.range_constexpr(2 * NT):
+                        for i in cutlass.range_constexpr(4):
+                            xs = 8 * nt + 2 * c4 + i % 2
+                            gamma_s = cute.math.exp(cute.arch.shuffle_sync(prefix, (h + xs % TP) % 32), fastmath=False)
+                            sm.sPre[g4 + 8 * (i // 2), xs, consumer] = gamma_s * rSX[i, 0, nt] + rRing[i, 0, nt]
+                    rBeta = cute.make_rmem_tensor((T,), Float32)
+                    for dd in cutlass.range_constexpr(T):
+                        rBeta[dd] = cute.arch.shuffle_sync(beta_j, (h + dd) % 32)
+                    cute.arch.sync_warp()
 
-                live_items = live_items + 1
-            release_stage(sm.empty, stage)
-            it = it + 1
+                    # Forward substitution for the drafts' u, then the outputs: lane r < 16 takes row r.
+                    if lane < MMA_ROWS:
+                        i_row = p_warp + lane
+                        rUd = cute.make_rmem_tensor((T,), Float32)
+                        for dd in cutlass.range_constexpr(T):
+                            v_d = sm.sV[dd, i_row, stage]
+                            resid = v_d.to(Float32) - sm.sPre[lane, dd, consumer]
+                            for e in cutlass.range_constexpr(dd):
+                                resid = resid - sDot[dd, cap + e] * rUd[e]
+                            rUd[dd] = rBeta[dd] * resid
+                            o = sm.sPre[lane, TP + dd, consumer]
+                            for e in cutlass.range_constexpr(dd + 1):
+                                o = o + sDot[TP + dd, cap + e] * rUd[e]
+                            mOut[row, dd, vhead, i_row] = o.to(act)
+                            pos_d = (origin + h + dd) % cap
+                            mRingU[slot64, pos_d, vhead, i_row] = rUd[dd].to(cutlass.Float16)
+                            if cutlass.const_expr(s.keep_v_beta):
+                                mRingV[slot64, pos_d, vhead, i_row] = v_d
+
+                    if flush:
+                        # Fold the h committed records as a GEMM over ring positions.
+                        # (U reloaded, not held in registers through the GEMMs above)
+                        ring_corrections(rU, sm.sRingU[None, None, stage], p_warp, g4, c4, cap)
+                        rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                        gamma = fold_coefficients(rCoef, rU, prefix, origin, h, c4, cap)
+                        fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, vhead, None, None], (MMA_ROWS, K), (cw, 0)),
+                                             sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(K), exact)
+
+                    live_items = live_items + 1
+                release_stage(sm.empty, stage)
+
+
+@cute.jit
+def raw_key_products(sRaw: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
+                     cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int], NT: cutlass.Constexpr[int],
+                     K: cutlass.Constexpr[int]):
+    """A warp's 16 key columns from ``q_tile`` of the raw key products (``verify.key_products``)
+    into ``sRaw[x_s, col]``, for every value head of a unit to weigh."""
+    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+    key_products(rDot, sKeys, sDraft, q_tile, g4, c4, cap, T, NT, K)
+    for nt in cutlass.range_constexpr(2 * NT):
+        for i in cutlass.range_constexpr(4):
+            sRaw[8 * nt + 2 * c4 + i % 2, q_tile + g4 + 8 * (i // 2)] = rDot[i, 0, nt]
+
+
+@cute.jit
+def weigh_unit_products(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int],
+                        prefix: Float32, origin: Int32, h: Int32, cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int],
+                        TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int], NQP: cutlass.Constexpr[int]):
+    """A consumer group's ``threads`` weigh the unit's raw products ``sRaw`` (2 TP, NQP) with their
+    head's decays into ``sDot`` (``verify.weigh_key_product``), element ``thread`` and every
+    ``threads``-th after it; every lane runs every round (the weights' shuffles)."""
+    count = 2 * TP * NQP
+    for r in cutlass.range_constexpr(cdiv(count, threads)):
+        e = cutlass.min(r * threads + thread, count - 1)
+        xs = e // NQP
+        q = e % NQP
+        weighted = weigh_key_product(sRaw[xs, q], xs, q, prefix, origin, h, cap, T, TP, NQ)
+        if r * threads + thread < count:
+            sDot[xs, q] = weighted
 
 
 @cute.jit
@@ -468,7 +532,7 @@ def pipelined_verify_config(shape: GDNShape, sm_count: int, arch: str) -> Option
 
 def pipelined_verify_space(shape: GDNShape, sm_count: int, arch: str) -> List[PipeVerifyConfig]:
     """The configs the tuner times (``pipeline.verify_space``)."""
-    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch)
+    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch, shape.num_v_heads // shape.num_k_heads)
 
 
 def compile_pipelined_verify(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int, options: str):

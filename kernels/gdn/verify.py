@@ -75,11 +75,26 @@ def weighted_key_products(sDot: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Te
                           T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int],
                           NT: cutlass.Constexpr[int], K: cutlass.Constexpr[int]):
     """A warp's 16 key columns from ``q_tile`` (ring positions, then the drafts' normalised keys)
-    of Dots (col, x_s) = k_col . x_s for x in {k, q} (``sDraft``: the drafts' k rows, then their
-    q rows, TP apart) on tensor cores, weighted into ``sDot[x_s, col]`` by exp(P_s - P_j) where
-    the column counts: k-rows take committed records and earlier drafts, q-rows also the draft
-    itself. ``prefix`` is lane j's inclusive prefix sum of the decays."""
+    of Dots (col, x_s) = k_col . x_s for x in {k, q} (``key_products``), weighted into
+    ``sDot[x_s, col]`` (``weigh_key_product``). ``prefix`` is lane j's inclusive prefix sum of the
+    decays."""
     rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+    key_products(rDot, sKeys, sDraft, q_tile, g4, c4, cap, T, NT, K)
+    for nt in cutlass.range_constexpr(2 * NT):
+        for i in cutlass.range_constexpr(4):
+            q = q_tile + g4 + 8 * (i // 2)
+            xs = 8 * nt + 2 * c4 + i % 2  # 0..TP-1: k_s; TP..2TP-1: q_s
+            sDot[xs, q] = weigh_key_product(rDot[i, 0, nt], xs, q, prefix, origin, h, cap, T, TP, NQ)
+
+
+@cute.jit
+def key_products(rDot: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
+                 cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int], NT: cutlass.Constexpr[int],
+                 K: cutlass.Constexpr[int]):
+    """A warp's accumulator fragments ``rDot`` (4, 1, 2 NT) of the raw key products k_col . x_s of
+    its 16 key columns from ``q_tile`` (``sKeys``' ring positions, then ``sDraft``'s normalised
+    draft keys) with the drafts' keys and queries (``sDraft``: k rows, then q rows, TP apart), on
+    tensor cores: fragment (i, nt) is column ``q_tile + g4 + 8 (i // 2)``, x_s ``8 nt + 2 c4 + i % 2``."""
     rDot.fill(0.0)
     for kb in cutlass.range_constexpr(K // 8):
         rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
@@ -92,18 +107,24 @@ def weighted_key_products(sDot: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Te
         rX = cute.make_rmem_tensor(cute.make_layout((2, 2 * NT, 1)), Float32)
         load_b_fragment(rX, sDraft, 8 * kb, 2 * NT)
         mma_tf32(rDot, rA, rX, True, True)
-    for nt in cutlass.range_constexpr(2 * NT):
-        for i in cutlass.range_constexpr(4):
-            q = q_tile + g4 + 8 * (i // 2)
-            xs = 8 * nt + 2 * c4 + i % 2  # 0..TP-1: k_s; TP..2TP-1: q_s
-            d = xs % TP
-            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
-            live = (q < NQ) & (d < T) & cutlass.select_(
-                q < cap, j < h, cutlass.select_(xs < TP, q - cap < d, q - cap <= d))
-            p_j = cute.arch.shuffle_sync(prefix, j % 32)
-            p_e = cute.arch.shuffle_sync(prefix, (h + d) % 32)
-            w = cute.math.exp(p_e - p_j, fastmath=False)
-            sDot[xs, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+
+
+@cute.jit
+def weigh_key_product(raw: Float32, xs: Int32, q: Int32, prefix: Float32, origin: Int32, h: Int32,
+                      cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int],
+                      NQ: cutlass.Constexpr[int]) -> Float32:
+    """The weighted product of key column ``q`` and draft row ``xs`` (k_s for xs < TP, q_s after)
+    from its raw dot: exp(P_s - P_j) (``prefix`` lane j's inclusive prefix sum of the decays) where
+    the column counts, zero elsewhere: k-rows take committed records and earlier drafts, q-rows
+    also the draft itself. Every lane of the warp calls it (shuffles)."""
+    d = xs % TP
+    j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+    live = (q < NQ) & (d < T) & cutlass.select_(
+        q < cap, j < h, cutlass.select_(xs < TP, q - cap < d, q - cap <= d))
+    p_j = cute.arch.shuffle_sync(prefix, j % 32)
+    p_e = cute.arch.shuffle_sync(prefix, (h + d) % 32)
+    w = cute.math.exp(p_e - p_j, fastmath=False)
+    return cutlass.select_(live, w * raw, Float32(0.0))
 
 
 @cute.jit

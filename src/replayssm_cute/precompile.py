@@ -60,12 +60,13 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def config_label(config) -> str:
     """rows{R}_warps{W}[_ctas{C}], or for the pipelined decode
     pipe{S}_grid{C}[_rows{R}_warps{W}][_cudafold][_prefetch{F}][_groups{G}[_rpw{R}]][_heads{H}][_flushtile][_cudadots][_cudaflush][_lanes{L}][_ctas{M}],
-    or for the pipelined verify pipeverify{S}_grid{C}[_prefetch{F}][_groups{G}][_ctas{M}]: a launch config
+    or for the pipelined verify pipeverify{S}_grid{C}[_prefetch{F}][_groups{G}][_units{U}][_ctas{M}]: a launch config
     in a variant's label (unique per config)."""
     if type(config).__name__ == "PipeVerifyConfig":  # (by name: no cutlass import for a label)
         label = f"pipeverify{config.stages}_grid{config.ctas}"
         label += f"_prefetch{config.prefetch}" if config.prefetch != 4 else ""
         label += f"_groups{config.consumer_groups}" if config.consumer_groups != 1 else ""
+        label += f"_units{config.heads_per_unit}" if config.heads_per_unit != 1 else ""
         return label + (f"_ctas{config.min_ctas_per_sm}" if config.min_ctas_per_sm else "")
     if hasattr(config, "stages"):
         label = f"pipe{config.stages}_grid{config.ctas}"

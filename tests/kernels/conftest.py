@@ -1,5 +1,7 @@
 """Fixtures shared by the GPU kernel tests."""
 
+import dataclasses
+
 import pytest
 
 from replayssm_cute.layers.common import PIPELINED_ENV
@@ -8,10 +10,11 @@ from replayssm_cute.runtime import launch
 
 def _on_kernel(request, monkeypatch, op_kernel: str):
     """Run the case with REPLAYSSM_CUTE_PIPELINED set for ``request.param`` ("tiles", "pipelined",
-    or "regrouped": the pipeline with the other number of consumer groups, ``_regrouped``),
-    recording the launch configs of the kernels whose names end in ``op_kernel``; then fail unless
-    some launched and every one is of the kind asked for."""
-    picked, regrouped = [], []
+    "regrouped": the pipeline with the other number of consumer groups, or "units": the pipeline
+    in units of a key head's value heads on a small grid, ``_replaced``), recording the launch
+    configs of the kernels whose names end in ``op_kernel``; then fail unless some launched and
+    every one is of the kind asked for."""
+    picked, replaced = [], []
     pipelined = request.param != "tiles"
     monkeypatch.setenv(PIPELINED_ENV, "1" if pipelined else "0")
     compiled = launch.compiled
@@ -21,35 +24,49 @@ def _on_kernel(request, monkeypatch, op_kernel: str):
         return compiled(kernel, shape, config, num_drafts)
 
     monkeypatch.setattr(launch, "compiled", recording)
-    if request.param == "regrouped":
-        monkeypatch.setattr(launch, "picked_config", _regrouped(launch.picked_config, regrouped))
+    if request.param in _REPLACEMENTS:
+        monkeypatch.setattr(launch, "picked_config", _replaced(launch.picked_config, request.param, replaced))
     launch.reload()
     yield request.param
     monkeypatch.undo()
     launch.reload()
     launched = [cfg for name, cfg in picked if name.endswith(op_kernel)]
     assert launched and all(("Pipe" in type(cfg).__name__) == pipelined for cfg in launched), picked
-    if request.param == "regrouped":
-        assert all(cfg in regrouped for cfg in launched), (picked, regrouped)
+    if request.param in _REPLACEMENTS:
+        assert all(cfg in replaced for cfg in launched), (picked, replaced)
 
 
-def _regrouped(picked_config, regrouped: list):
-    """``launch.picked_config`` with a pipelined verify's pick replaced by the first config of the
-    kernel's space (``pipeline.verify_space``) of the other number of consumer groups (1 <-> 2),
-    appended to ``regrouped``; other picks as they were."""
+def _other_groups(config, space):
+    """The first config of the space with the other number of consumer groups (1 <-> 2)."""
+    return next(c for c in space if c.consumer_groups != config.consumer_groups and c.heads_per_unit == 1)
+
+
+def _units(config, space):
+    """The first config of the space in units of several heads, on a grid of 7 CTAs: every
+    group then walks many units, its stages and its unit scratch reused across them."""
+    return dataclasses.replace(next(c for c in space if c.heads_per_unit > 1), ctas=7)
+
+
+_REPLACEMENTS = {"regrouped": _other_groups, "units": _units}
+
+
+def _replaced(picked_config, param: str, replaced: list):
+    """``launch.picked_config`` with a pipelined verify's pick replaced by ``_REPLACEMENTS[param]``
+    of the kernel's space (``pipeline.verify_space``, units of a key head's value heads where the
+    shape has several), appended to ``replaced``; other picks as they were."""
     from replayssm_cute.kernels.pipeline import PipeVerifyConfig, verify_space
     from replayssm_cute.layers.common import sm_count, target_arch
 
-    def regroup(kernel, shape, batch, num_drafts=0):
+    def replace(kernel, shape, batch, num_drafts=0):
         config, tuned = picked_config(kernel, shape, batch, num_drafts)
         if isinstance(config, PipeVerifyConfig):
-            for candidate in verify_space(shape, kernel.check, sm_count(), target_arch()):
-                if candidate.consumer_groups != config.consumer_groups:
-                    regrouped.append(candidate)
-                    return candidate, tuned
+            rep = shape.num_v_heads // shape.num_k_heads if hasattr(shape, "num_k_heads") else 1
+            candidate = _REPLACEMENTS[param](config, verify_space(shape, kernel.check, sm_count(), target_arch(), rep))
+            replaced.append(candidate)
+            return candidate, tuned
         return config, tuned
 
-    return regroup
+    return replace
 
 
 @pytest.fixture(params=["tiles", "pipelined"])
@@ -67,4 +84,11 @@ def verify_kernel(request, monkeypatch):
     REPLAYSSM_CUTE_PIPELINED=0) and the persistent pipeline (kernels/*/pipelined_verify.py,
     REPLAYSSM_CUTE_PIPELINED=1), at its default and with the other number of consumer groups (one
     or two). The case fails unless its verify steps launched the kernel (and groups) asked for."""
+    yield from _on_kernel(request, monkeypatch, "_verify")
+
+
+@pytest.fixture(params=["tiles", "pipelined", "regrouped", "units"])
+def gdn_verify_kernel(request, monkeypatch):
+    """``verify_kernel`` for GDN, and the pipeline in units of a key head's value heads on a grid
+    of 7 CTAs (``_units``)."""
     yield from _on_kernel(request, monkeypatch, "_verify")

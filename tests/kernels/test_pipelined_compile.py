@@ -527,13 +527,17 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     assert config_label(config) == "pipeverify3_grid132"
     assert config_label(PipeVerifyConfig(2, 264, 2, 2)) == "pipeverify2_grid264_prefetch2_ctas2"
     assert config_label(PipeVerifyConfig(4, 132, 4, 0, 2)) == "pipeverify4_grid132_groups2"
+    assert config_label(PipeVerifyConfig(2, 132, 4, 0, 2, 4)) == "pipeverify2_grid132_groups2_units4"
+    assert "heads_per_unit 2: expected a divisor of 1" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 1, 2), 8)
 
 
 def test_gdn_verify_config_takes_plain_fp32_caches():
     """The GDN pipelined verify (kernels/gdn/pipelined_verify.py): the checks it shares with
     Mamba-2's (value rows in 16-row warp tiles, key columns in one padded TMA box), no read copy and
     no re-derivation; Qwen3.5-122B's padded (128, 132) tile leaves room for two stages at T = 8,
-    in one CTA an SM, and at T = 4 for two consumer groups of one stage each (the default there)."""
+    in one CTA an SM, and at T = 4 for two consumer groups of one stage each (the default there);
+    units of a key head's four value heads (one scratch buffer of drafts a group) fit two groups
+    at T = 8 too, and follow the items of one head in the space."""
     from replayssm_cute.kernels.gdn.pipelined_verify import (GDNPipelinedVerify, pipelined_verify_config,
                                                              pipelined_verify_space)
     from replayssm_cute.kernels.pipeline import PipeVerifyConfig
@@ -546,12 +550,14 @@ def test_gdn_verify_config_takes_plain_fp32_caches():
                           (dict(read_copy="fp8"), "without a read copy"), (dict(head_v_dim=72), "72 state rows"),
                           (dict(head_k_dim=48), "48 state columns")]:
         assert words in check(GDNShape(**{**drafts.__dict__, **fields}), PipeVerifyConfig(2, 132), 4), fields
-    assert pipelined_verify_space(drafts, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4)]
+    units = [PipeVerifyConfig(2, 132, 4, 0, 2, 4), PipeVerifyConfig(2, 132, 4, 0, 1, 4)]
+    assert pipelined_verify_space(drafts, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4)] + units
     assert pipelined_verify_config(drafts, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4)
     four = GDNShape(64, 128, 128, 16, 16, 20)
-    assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(2, 132, 4)]
+    assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(2, 132, 4)] + units
     assert pipelined_verify_config(four, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4, 0, 2)
     assert "shared memory" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 2), 8)
+    assert "heads_per_unit 3: expected a divisor of 4" in check(four, PipeVerifyConfig(2, 132, 4, 0, 1, 3), 4)
 
 
 @pytest.mark.parametrize("layer, max_draft, by_default", [("mamba2", 8, True), ("gdn", 4, True), ("gdn", 8, False)])
@@ -590,7 +596,10 @@ for name, shape, T, module, groups in [
         ("gdn_122b_T8", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify, None),
         ("gdn_odd_T4_v_beta", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify, None),
         ("super_T8_groups", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None, PipeVerifyConfig(4, 132, 2, 0, 2)),
-        ("gdn_122b_T4_groups", GDNShape(64, 128, 128, 16, 16, 20), 4, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2))]:
+        ("gdn_122b_T4_groups", GDNShape(64, 128, 128, 16, 16, 20), 4, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2)),
+        ("gdn_122b_T8_units", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2, 4)),
+        ("gdn_odd_T4_units", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify,
+         PipeVerifyConfig(2, 132, 2, 0, 1, 3))]:
     pick, build = ((module.pipelined_verify_config, module.compile_pipelined_verify) if module else
                    (pipelined_verify_config, compile_pipelined_verify))
     config = groups or pick(shape, 132, arch)
@@ -603,7 +612,8 @@ for name, shape, T, module, groups in [
 def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
     """The pipelined verifies: Mamba-2 for Nemotron-3-Super (T = 8) and an odd shape with z (three
     16-row warps, T = 4), GDN for Qwen3.5-122B (T = 8) and an odd shape keeping v and beta (four
-    warps, T = 4), and both with two consumer groups; for each target: the state tiles by TMA (a
+    warps, T = 4), both with two consumer groups, and GDN in units of a key head's value heads
+    (122B: four, two groups; the odd shape: three, one group); for each target: the state tiles by TMA (a
     box per consumer warp), the GEMMs on tensor cores (TF32), the consumers' named barrier (a
     group's: its id a register), the CTA's warps, nothing in local memory."""
     env = _env(tmp_path / "cache")
@@ -612,7 +622,8 @@ def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
     for name, warps, groups in (("super_T8", 4, 1), ("odd_T4_z", 3, 1), ("gdn_122b_T8", 8, 1),
-                                ("gdn_odd_T4_v_beta", 4, 1), ("super_T8_groups", 4, 2), ("gdn_122b_T4_groups", 8, 2)):
+                                ("gdn_odd_T4_v_beta", 4, 1), ("super_T8_groups", 4, 2), ("gdn_122b_T4_groups", 8, 2),
+                                ("gdn_122b_T8_units", 8, 2), ("gdn_odd_T4_units", 4, 1)):
         text = (tmp_path / f"{name}.ptx").read_text()
         assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name
