@@ -23,6 +23,15 @@ producer, the other warps consume in ``consumer_groups`` groups (head_v_dim / 16
 The scratch a group's warps share (the normalised drafts, the weighted products) is double-buffered
 over the group's live items, as in ``kernels/mamba2/pipelined_verify.py``.
 
+Units (``PipeVerifyConfig.heads_per_unit`` = U > 1, U dividing a key head's value heads): a group
+takes U consecutive items of one row in turn (``pipeline.unit_item``), which share the key head's
+drafts and keys. The unit's first item normalises the drafts and forms the raw key products
+``k_col . x_s`` into the group's unit scratch (one buffer: a group barrier at the unit's start
+waits for the last unit's readers); each item weighs them with its own decays element-wise
+(``weigh_unit_products``) into its double-buffered products, so an item after the first skips
+the normalisation, the key GEMM and two barriers. The producer loads the drafts' q and k for a
+unit's first item only, and the ring keys only where the item forms the products or folds.
+
 Tensor contract: as ``kernels/gdn/verify.py`` (same arguments, same order), restricted to an fp32
 checkpoint without a read copy and without re-derivation (``GDNPipelinedVerify.check``): the
 checkpoint scales, the read copy and the SR seed are None.
