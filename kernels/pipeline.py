@@ -34,6 +34,7 @@ READ_STATE_SCALE = 4  # the slot of a stage's fp32 scalars that holds an nvfp4 r
 MAX_CONSUMER_GROUPS = 8  # named barriers CONSUMER_BARRIER .. + 7, one per group
 MAX_WARPS = 32  # a CTA's warps: the producer and every group's consumers
 MAX_CTAS_PER_SM = 4  # min_ctas_per_sm: more would cap registers below what a consumer needs
+MAX_UNIT_HEADS = 4  # a pipelined verify's unit in the tuner's space: a key head's (GDN) or a group's heads (Mamba-2)
 
 
 def stages_smem_bytes(stages: int, stage_bytes: int) -> int:
@@ -297,7 +298,7 @@ def verify_space(shape, check: Callable, sm_count: int, arch: str, unit_heads: i
     count T: the residencies of ``VERIFY_RESIDENCIES`` in order (two CTAs an SM with registers
     capped for them, one of two consumer groups, one of one), each with 2-4 stages, most first,
     and the target's producer chunk; items of one head, then (``unit_heads`` > 1) units of
-    ``unit_heads`` heads. [] where the cache has no room for a draft."""
+    ``unit_heads`` heads (``unit_size``). [] where the cache has no room for a draft."""
     largest = min(MAX_DRAFT, shape.capacity - shape.window, shape.window)
     if largest < 1:
         return []
@@ -311,6 +312,12 @@ def verify_space(shape, check: Callable, sm_count: int, arch: str, unit_heads: i
                 if check(shape, config, largest) is None:
                     space.append(config)
     return space
+
+
+def unit_size(sharing: int) -> int:
+    """Heads a unit of the pipelined verify's space, of ``sharing`` heads that share their
+    products: the largest divisor up to MAX_UNIT_HEADS, so that a CTA's last units stay short."""
+    return max(u for u in range(1, MAX_UNIT_HEADS + 1) if sharing % u == 0)
 
 
 def default_verify_config(shape, check: Callable, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:

@@ -66,7 +66,7 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
                         release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, unit_item,
-                        unit_uses, verify_pipe_check, verify_space, wait_stage)
+                        unit_size, unit_uses, verify_pipe_check, verify_space, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
 from .verify import fold_coefficients, key_products, store_draft_records, weigh_key_product, weighted_key_products
@@ -541,7 +541,8 @@ def pipelined_verify_config(shape: GDNShape, sm_count: int, arch: str) -> Option
 
 def pipelined_verify_space(shape: GDNShape, sm_count: int, arch: str) -> List[PipeVerifyConfig]:
     """The configs the tuner times (``pipeline.verify_space``)."""
-    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch, shape.num_v_heads // shape.num_k_heads)
+    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch,
+                        unit_size(shape.num_v_heads // shape.num_k_heads))
 
 
 def compile_pipelined_verify(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int, options: str):

@@ -24,6 +24,14 @@ over the group's live items (a pad row's item has no barrier), so two named barr
 per item order it: a warp that writes a buffer has met every other warp of its group at the
 barrier after they last read it.
 
+Units (``PipeVerifyConfig.heads_per_unit`` = U > 1, U dividing a group's heads): a consumer group
+takes U consecutive items of one row in turn (``pipeline.unit_item``), which share the group's B
+and the drafts' C. The unit's first item decodes C and forms the raw Dots ``B_q . C_t`` into the
+group's unit scratch (one buffer: a group barrier at the unit's start waits for the last unit's
+readers); each item weighs them with its own dts and decay element-wise (``weigh_unit_dots``), so
+an item after the first skips the decode, the Dots GEMM and two barriers. The producer loads the
+group's B and C for a unit's first item only, and the ring's B where an item folds.
+
 Tensor contract: as ``kernels/mamba2/verify.py`` (same arguments, same order), restricted to an
 fp32 checkpoint without a read copy (``Mamba2PipelinedVerify.check``): the checkpoint scales, the
 read copy and the SR seed are None.
@@ -57,11 +65,12 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
                       lane_scan, make_padded_row_tma, round_up, rows_times_columns, rows_times_dots, slot_is_live, slot_rows,
                       softplus)
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
-                        copy_records_async, copy_rows_async, default_verify_config, plan_scalars, publish_tile_boxes,
-                        release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes,
-                        verify_pipe_check, verify_space, wait_stage)
+                        copy_records_async, copy_rows_async, default_verify_config, item_plan_scalars,
+                        publish_tile_boxes, release_stage, rows_at, stage_barriers, stage_of, staged,
+                        stages_smem_bytes, unit_item, unit_size, unit_uses, verify_pipe_check, verify_space,
+                        wait_stage)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token
-from .verify import fold_coefficients, weighted_dots
+from .verify import fold_coefficients, raw_dots, weigh_dot, weighted_dots
 
 META = 4  # scalars of an item staged by the producer (int32 / fp32 each)
 META_A, META_D, META_DT_BIAS = 0, 1, 2  # its fp32 slots
@@ -86,6 +95,7 @@ class Mamba2PipeVerifyDims:
     PF: int  # the producer's chunk of items
     CW: int  # consumer warps of a group: a 16-row tile each
     CG: int  # consumer groups
+    U: int  # heads a unit (1, or a divisor of a group's)
     W: int  # a padded state row (N + TILE_PAD)
     vec: int  # a lane's consecutive elements of a row (N / 32)
     heads_per_group: int
@@ -98,7 +108,7 @@ def verify_dims(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -
     return Mamba2PipeVerifyDims(
         H=s.nheads, P=s.headdim, N=s.dstate, G=s.ngroups, L=s.window, cap=s.capacity, T=T, TP=round_up(T, 8), NQ=NQ,
         NQP=round_up(NQ, 16), ST=config.stages, PF=config.prefetch, CW=s.headdim // MMA_ROWS, CG=config.consumer_groups,
-        W=s.dstate + TILE_PAD, vec=s.dstate // 32, heads_per_group=s.nheads // s.ngroups, act=s.act_dtype)
+        U=config.heads_per_unit, W=s.dstate + TILE_PAD, vec=s.dstate // 32, heads_per_group=s.nheads // s.ngroups, act=s.act_dtype)
 
 
 class Mamba2PipeVerifySmem(NamedTuple):
@@ -120,6 +130,7 @@ class Mamba2PipeVerifySmem(NamedTuple):
     sMetaF: cute.Tensor
     sCf: cute.Tensor
     sDot: cute.Tensor
+    sRaw: cute.Tensor
     full: cute.Pointer
     empty: cute.Pointer
 
@@ -146,15 +157,19 @@ class Mamba2PipelinedVerify:
 
     @staticmethod
     def smem_bytes(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -> int:
-        """The stages, and each consumer group's scratch in two buffers: the drafts' fp32 C and the weighted Dots."""
+        """The stages, and each consumer group's scratch: the drafts' fp32 C (in two buffers, or one
+        a unit with the unit's raw Dots) and the weighted Dots in two buffers."""
         d = verify_dims(shape, config, num_drafts)
-        scratch = 2 * d.CG * (d.TP * (d.N + 4) + d.TP * (d.NQP + 4)) * 4 + 64
+        drafts, dots = d.TP * (d.N + 4) * 4, d.TP * (d.NQP + 4) * 4
+        units = drafts + dots if d.U > 1 else 2 * drafts
+        scratch = d.CG * (units + 2 * dots) + 64
         return stages_smem_bytes(config.stages, Mamba2PipelinedVerify.stage_bytes(shape, config, num_drafts)) + scratch
 
     @staticmethod
     def check(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -> Optional[str]:
         return verify_pipe_check(config, shape, num_drafts, shape.headdim, shape.dstate,
-                                 Mamba2PipelinedVerify.smem_bytes(shape, config, num_drafts))
+                                 Mamba2PipelinedVerify.smem_bytes(shape, config, num_drafts),
+                                 shape.nheads // shape.ngroups)
 
     @cute.jit
     def __call__(
@@ -223,11 +238,14 @@ class Mamba2PipelinedVerify:
         sDraftDt = staged(smem, Float32, (TP,), ST)
         sMetaI = staged(smem, Int32, (META,), ST)
         sMetaF = staged(smem, Float32, (META,), ST)
-        sCf = staged(smem, Float32, (TP, N), 2 * d.CG, row_pad=4)
+        sCf = staged(smem, Float32, (TP, N), d.CG if d.U > 1 else 2 * d.CG, row_pad=4)
         sDot = staged(smem, Float32, (TP, NQP), 2 * d.CG, row_pad=4)
+        sRaw = sDot  # (unread with one head a unit)
+        if cutlass.const_expr(d.U > 1):
+            sRaw = staged(smem, Float32, (TP, NQP), d.CG, row_pad=4)
         full, empty = stage_barriers(smem, ST, CW)
         return Mamba2PipeVerifySmem(sState, sKeys, sValues, sZ, sC, sRingDt, sDraftDt, sMetaI, sMetaF, sCf, sDot,
-                                    full, empty)
+                                    sRaw, full, empty)
 
     @cute.jit
     def produce(self, tma_atom: cute.CopyAtom, mRowsTma: cute.Tensor, mCheckpoint: cute.Tensor, token: Mamba2Token,
@@ -259,17 +277,20 @@ class Mamba2PipelinedVerify:
         # this one is issued, so their latency is paid once per chunk.
         rInt = cute.make_rmem_tensor((3,), Int32)
         rIntNext = cute.make_rmem_tensor((3,), Int32)
-        plan_scalars(bid, grid, total, H, PF, mSlot, mPlan, rInt)
-        chunk = Int32(0)
-        for first in cutlass.range(bid, total, grid * PF, unroll=1):
-            plan_scalars(first + grid * PF, grid, total, H, PF, mSlot, mPlan, rIntNext)
+        item_plan_scalars(unit_item(bid, grid, lane % PF, d.U, d.CG), total, H, mSlot, mPlan, rInt)
+        for first in cutlass.range(0, unit_uses(bid, grid, total, d.U, d.CG), PF, unroll=1):
+            item_plan_scalars(unit_item(bid, grid, first + PF + lane % PF, d.U, d.CG), total, H, mSlot, mPlan,
+                              rIntNext)
             for u in cutlass.range_constexpr(PF):
-                item = first + u * grid
+                item = unit_item(bid, grid, first + u, d.U, d.CG)
                 if item < total:
                     row = item // H
                     head = item % H
                     group = head // d.heads_per_group
-                    stage, phase = stage_of(chunk * PF + u, ST)
+                    stage, phase = stage_of(first + u, ST)
+                    lead = True  # the unit's first item: its Dots need the group's B and C
+                    if cutlass.const_expr(d.U > 1):
+                        lead = item % d.U == 0
                     slot = cute.arch.shuffle_sync(rInt[0], u)
                     h = cute.arch.shuffle_sync(rInt[1], u)
                     origin = cute.arch.shuffle_sync(rInt[2], u)
@@ -283,10 +304,13 @@ class Mamba2PipelinedVerify:
                         copy_records_async(copy16, mRingX[slot64, None, head, None], rows_at(sValues, 0, cap), per16,
                                            origin, h)
                         copy_rows_async(copy16, mX[row, None, head, None], rows_at(sValues, cap, T), per16)
-                        copy_records_async(copy16, mRingB[slot64, None, group, None], rows_at(sKeys, 0, cap), per16,
-                                           origin, h)
-                        copy_rows_async(copy16, mB[row, None, group, None], rows_at(sKeys, cap, T), per16)
-                        copy_rows_async(copy16, mC[row, None, group, None], sm.sC[None, None, stage], per16)
+                        # the group's B and C where the item forms the Dots; the ring's B where it folds
+                        if lead or h + T > d.L:
+                            copy_records_async(copy16, mRingB[slot64, None, group, None], rows_at(sKeys, 0, cap),
+                                               per16, origin, h)
+                        if lead:
+                            copy_rows_async(copy16, mB[row, None, group, None], rows_at(sKeys, cap, T), per16)
+                            copy_rows_async(copy16, mC[row, None, group, None], sm.sC[None, None, stage], per16)
                         if cutlass.const_expr(s.has_z):
                             copy_rows_async(copy16, mZ[row, None, head, None], sm.sZ[None, None, stage], per16)
                         sRingDt = cute.make_tensor(sm.sRingDt[None, stage].iterator, cute.make_layout((cap,)))
@@ -307,7 +331,6 @@ class Mamba2PipelinedVerify:
                     box0 = Int32((Int64(slot) * (H * P) + head * P) // MMA_ROWS)
                     publish_tile_boxes(sm.full, stage, live, CW, box_bytes, tma_atom, t_g, box0, t_s)
             rInt.store(rIntNext.load())
-            chunk = chunk + 1
 
     @cute.jit
     def consume(self, mCheckpoint: cute.Tensor, mOut: cute.Tensor, records: Mamba2Ring, sm: Mamba2PipeVerifySmem,
@@ -328,114 +351,164 @@ class Mamba2PipelinedVerify:
         CG = d.CG
         cg, cw, group_barrier = consumer_place(consumer, CW, CG)
         p_warp = cw * MMA_ROWS
-        it = Int32(0)
         live_items = Int32(0)  # the group's scratch buffer alternates over its live items, which meet at the barriers
-        for item in cutlass.range(bid + cg * grid, total, grid * CG, unroll=1):
-            row = item // H
-            head = item % H
-            group = head // d.heads_per_group
-            stage, phase = stage_of(it * CG + cg, ST)
-            wait_stage(sm.full, stage, phase)
-            slot = sm.sMetaI[META_SLOT, stage]
-            if slot_is_live(slot, num_slots, s.pad_slot_id):
-                slot64 = Int64(slot)
-                h = sm.sMetaI[META_H, stage]
-                origin = sm.sMetaI[META_ORIGIN, stage]
-                flush = h + T > L
-                buf = 2 * cg + live_items % 2
-                sKeys = sm.sKeys[None, None, stage]
-                sValues = sm.sValues[None, None, stage]
-                sCf = sm.sCf[None, None, buf]
-                sDot = sm.sDot[None, None, buf]
+        for n in cutlass.range(cg, unit_uses(bid, grid, total, d.U, CG), CG, unroll=1):
+            item = unit_item(bid, grid, n, d.U, CG)
+            if item < total:
+                row = item // H
+                head = item % H
+                group = head // d.heads_per_group
+                stage, phase = stage_of(n, ST)
+                wait_stage(sm.full, stage, phase)
+                slot = sm.sMetaI[META_SLOT, stage]
+                if slot_is_live(slot, num_slots, s.pad_slot_id):
+                    slot64 = Int64(slot)
+                    h = sm.sMetaI[META_H, stage]
+                    origin = sm.sMetaI[META_ORIGIN, stage]
+                    flush = h + T > L
+                    buf = 2 * cg + live_items % 2
+                    sKeys = sm.sKeys[None, None, stage]
+                    sValues = sm.sValues[None, None, stage]
+                    sDot = sm.sDot[None, None, buf]
+                    lead = True  # the unit's first item: it decodes the drafts' C and forms the raw Dots
+                    sCf = sm.sCf[None, None, buf]
+                    if cutlass.const_expr(d.U > 1):
+                        lead = item % d.U == 0
+                        sCf = sm.sCf[None, None, cg]
+                    if lead:
+                        if cutlass.const_expr(d.U > 1):
+                            # the group's last unit is done with its C and raw Dots
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        # The drafts' C in fp32 (rows from T on zero), a row a warp in turn.
+                        for tt in cutlass.range_constexpr(cdiv(TP, CW)):
+                            t_row = tt * CW + cw
+                            if t_row < TP:
+                                rCf = cute.make_rmem_tensor((vec,), Float32)
+                                rCf.fill(0.0)
+                                if t_row < T:
+                                    rCt = cute.make_rmem_tensor((vec,), act)
+                                    cute.autovec_copy(cute.local_tile(sm.sC[t_row, None, stage], (vec,), (lane,)), rCt)
+                                    rCf.store(rCt.load().to(Float32))
+                                cute.autovec_copy(rCf, cute.local_tile(sCf[t_row, None], (vec,), (lane,)))
+                        if cutlass.const_expr(d.U > 1):
+                            # the unit's raw Dots B_q . C_t: 16 columns q a warp GEMM
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                            for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
+                                q_tile = (mt * CW + cw) * 16
+                                if q_tile < NQP:
+                                    store_raw_dots(sm.sRaw[None, None, cg], sKeys, sCf, q_tile, g4, c4, NT, N, exact)
 
-                # The drafts' C in fp32 (rows from T on zero), a row a warp in turn.
-                for tt in cutlass.range_constexpr(cdiv(TP, CW)):
-                    t_row = tt * CW + cw
-                    if t_row < TP:
-                        rCf = cute.make_rmem_tensor((vec,), Float32)
-                        rCf.fill(0.0)
-                        if t_row < T:
-                            rCt = cute.make_rmem_tensor((vec,), act)
-                            cute.autovec_copy(cute.local_tile(sm.sC[t_row, None, stage], (vec,), (lane,)), rCt)
-                            rCf.store(rCt.load().to(Float32))
-                        cute.autovec_copy(rCf, cute.local_tile(sCf[t_row, None], (vec,), (lane,)))
-
-                # Lane j: dt of record j in logical order (committed j < h, draft t at lane h + t),
-                # and the inclusive prefix sums P_j.
-                A = sm.sMetaF[META_A, stage]
-                dt_rec = sm.sRingDt[(origin + lane) % cap, stage]
-                dt_j = Float32(0.0)
-                if lane < h:
-                    dt_j = dt_rec
-                if lane >= h and lane < h + T:
-                    dt_j = sm.sDraftDt[lane - h, stage]
-                    if cutlass.const_expr(s.has_dt_bias):
-                        dt_j = dt_j + sm.sMetaF[META_DT_BIAS, stage]
-                    if cutlass.const_expr(s.dt_softplus):
-                        dt_j = softplus(dt_j)
-                prefix = lane_scan(dt_j)
-                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-
-                # Dots (q, t) = B_q . C_t, 16 columns q a warp GEMM, weighted into sDot.
-                for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
-                    q_tile = (mt * CW + cw) * 16
-                    if q_tile < NQP:
-                        weighted_dots(sDot, sKeys, sCf, q_tile, dt_j, prefix, A, origin, h, g4, c4, cap, T, NQ, NT, N,
-                                      exact)
-                cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-
-                # X fragments: the warp's rows' x at every ring position (zero where stale) and
-                # draft, zero beyond; then the ring and draft terms X Dots^T.
-                rX = cute.make_rmem_tensor(cute.make_layout((4, KQ)), Float32)
-                for kq in cutlass.range_constexpr(KQ):
-                    for i in cutlass.range_constexpr(4):
-                        rX[i, kq] = sValues[8 * kq + c4 + 4 * (i // 2), p_warp + g4 + 8 * (i % 2)].to(Float32)
-                rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
-                rows_times_dots(rRing, rX, sDot, not exact)
-                # S_ckpt C^T from the stage's tile
-                rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
-                rSC.fill(0.0)
-                rows_times_columns(rSC, sm.sState, stage * CW + cw, sCf, N // 8, exact)
-
-                D = Float32(0.0)
-                if cutlass.const_expr(s.has_D):
-                    D = sm.sMetaF[META_D, stage]
-                for nt in cutlass.range_constexpr(NT):
-                    for i in cutlass.range_constexpr(4):
-                        t = 8 * nt + 2 * c4 + i % 2
-                        r = p_warp + g4 + 8 * (i // 2)
-                        gamma_t = cute.math.exp(A * cute.arch.shuffle_sync(prefix, (h + t) % 32), fastmath=False)
-                        if t < T:
-                            x_t = sValues[cap + t, r]
-                            y = gamma_t * rSC[i, 0, nt] + rRing[i, 0, nt]
-                            if cutlass.const_expr(s.has_D):
-                                y = y + D * x_t.to(Float32)
-                            if cutlass.const_expr(s.has_z):
-                                z = sm.sZ[t, r, stage].to(Float32)
-                                y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
-                            mOut[row, t, head, r] = y.to(act)
-                            mRingX[slot64, (origin + h + t) % cap, head, r] = x_t
-
-                if flush:
-                    # Fold the h committed records as a GEMM over ring positions.
-                    rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
-                    gamma = fold_coefficients(rCoef, rX, dt_j, prefix, A, origin, h, c4, cap)
-                    fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N), (cw, 0)),
-                                         sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(N), exact)
-
-                # The drafts' B (once per group) and dt records.
-                if cw == 0:
-                    if head % d.heads_per_group == 0:
-                        for t in cutlass.range_constexpr(T):
-                            rBt = cute.make_rmem_tensor((vec,), act)
-                            cute.autovec_copy(cute.local_tile(sKeys[cap + t, None], (vec,), (lane,)), rBt)
-                            cute.autovec_copy(rBt, cute.local_tile(
-                                mRingB[slot64, (origin + h + t) % cap, group, None], (vec,), (lane,)))
+                    # Lane j: dt of record j in logical order (committed j < h, draft t at lane h + t),
+                    # and the inclusive prefix sums P_j.
+                    A = sm.sMetaF[META_A, stage]
+                    dt_rec = sm.sRingDt[(origin + lane) % cap, stage]
+                    dt_j = Float32(0.0)
+                    if lane < h:
+                        dt_j = dt_rec
                     if lane >= h and lane < h + T:
-                        mRingDt[slot64, (origin + lane) % cap, head] = dt_j
-                live_items = live_items + 1
-            release_stage(sm.empty, stage)
-            it = it + 1
+                        dt_j = sm.sDraftDt[lane - h, stage]
+                        if cutlass.const_expr(s.has_dt_bias):
+                            dt_j = dt_j + sm.sMetaF[META_DT_BIAS, stage]
+                        if cutlass.const_expr(s.dt_softplus):
+                            dt_j = softplus(dt_j)
+                    prefix = lane_scan(dt_j)
+                    if cutlass.const_expr(d.U > 1):
+                        # the head's weights on the unit's raw Dots, element-wise
+                        if lead:
+                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        weigh_unit_dots(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, dt_j, prefix, A, origin, h,
+                                        cap, T, TP, NQ, NQP)
+                    else:
+                        cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+                        # Dots (q, t) = B_q . C_t, 16 columns q a warp GEMM, weighted into sDot.
+                        for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
+                            q_tile = (mt * CW + cw) * 16
+                            if q_tile < NQP:
+                                weighted_dots(sDot, sKeys, sCf, q_tile, dt_j, prefix, A, origin, h, g4, c4, cap, T, NQ, NT,
+                                              N, exact)
+                    cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
+
+                    # X fragments: the warp's rows' x at every ring position (zero where stale) and
+                    # draft, zero beyond; then the ring and draft terms X Dots^T.
+                    rX = cute.make_rmem_tensor(cute.make_layout((4, KQ)), Float32)
+                    for kq in cutlass.range_constexpr(KQ):
+                        for i in cutlass.range_constexpr(4):
+                            rX[i, kq] = sValues[8 * kq + c4 + 4 * (i // 2), p_warp + g4 + 8 * (i % 2)].to(Float32)
+                    rRing = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+                    rows_times_dots(rRing, rX, sDot, not exact)
+                    # S_ckpt C^T from the stage's tile
+                    rSC = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+                    rSC.fill(0.0)
+                    rows_times_columns(rSC, sm.sState, stage * CW + cw, sCf, N // 8, exact)
+
+                    D = Float32(0.0)
+                    if cutlass.const_expr(s.has_D):
+                        D = sm.sMetaF[META_D, stage]
+                    for nt in cutlass.range_constexpr(NT):
+                        for i in cutlass.range_constexpr(4):
+                            t = 8 * nt + 2 * c4 + i % 2
+                            r = p_warp + g4 + 8 * (i // 2)
+                            gamma_t = cute.math.exp(A * cute.arch.shuffle_sync(prefix, (h + t) % 32), fastmath=False)
+                            if t < T:
+                                x_t = sValues[cap + t, r]
+                                y = gamma_t * rSC[i, 0, nt] + rRing[i, 0, nt]
+                                if cutlass.const_expr(s.has_D):
+                                    y = y + D * x_t.to(Float32)
+                                if cutlass.const_expr(s.has_z):
+                                    z = sm.sZ[t, r, stage].to(Float32)
+                                    y = y * z / (Float32(1.0) + cute.math.exp(-z, fastmath=False))
+                                mOut[row, t, head, r] = y.to(act)
+                                mRingX[slot64, (origin + h + t) % cap, head, r] = x_t
+
+                    if flush:
+                        # Fold the h committed records as a GEMM over ring positions.
+                        rCoef = cute.make_rmem_tensor(cute.make_layout((4, KF)), Float32)
+                        gamma = fold_coefficients(rCoef, rX, dt_j, prefix, A, origin, h, c4, cap)
+                        fold_into_checkpoint(cute.local_tile(mCheckpoint[slot64, head, None, None], (MMA_ROWS, N), (cw, 0)),
+                                             sm.sState, stage * CW + cw, rCoef, sKeys, gamma, fold_cols(N), exact)
+
+                    # The drafts' B (once per group) and dt records.
+                    if cw == 0:
+                        if head % d.heads_per_group == 0:
+                            for t in cutlass.range_constexpr(T):
+                                rBt = cute.make_rmem_tensor((vec,), act)
+                                cute.autovec_copy(cute.local_tile(sKeys[cap + t, None], (vec,), (lane,)), rBt)
+                                cute.autovec_copy(rBt, cute.local_tile(
+                                    mRingB[slot64, (origin + h + t) % cap, group, None], (vec,), (lane,)))
+                        if lane >= h and lane < h + T:
+                            mRingDt[slot64, (origin + lane) % cap, head] = dt_j
+                    live_items = live_items + 1
+                release_stage(sm.empty, stage)
+
+
+@cute.jit
+def store_raw_dots(sRaw: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
+                   NT: cutlass.Constexpr[int], N: cutlass.Constexpr[int], exact: cutlass.Constexpr[bool]):
+    """A warp's 16 columns q from ``q_tile`` of the raw Dots B_q . C_t (``verify.raw_dots``) into
+    ``sRaw[t, q]``, for every head of a unit to weigh."""
+    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+    raw_dots(rDot, sB, sC, q_tile, g4, c4, NT, N, exact)
+    for nt in cutlass.range_constexpr(NT):
+        for i in cutlass.range_constexpr(4):
+            sRaw[8 * nt + 2 * c4 + i % 2, q_tile + g4 + 8 * (i // 2)] = rDot[i, 0, nt]
+
+
+@cute.jit
+def weigh_unit_dots(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int], dt_j: Float32,
+                    prefix: Float32, A: Float32, origin: Int32, h: Int32, cap: cutlass.Constexpr[int],
+                    T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int],
+                    NQP: cutlass.Constexpr[int]):
+    """A consumer group's ``threads`` weigh the unit's raw Dots ``sRaw`` (TP, NQP) with their
+    head's dts and decay into ``sDot`` (``verify.weigh_dot``), element ``thread`` and every
+    ``threads``-th after it; every lane runs every round (the weights' shuffles)."""
+    count = TP * NQP
+    for r in cutlass.range_constexpr(cdiv(count, threads)):
+        e = cutlass.min(r * threads + thread, count - 1)
+        t = e // NQP
+        q = e % NQP
+        weighted = weigh_dot(sRaw[t, q], t, q, dt_j, prefix, A, origin, h, cap, T, NQ)
+        if r * threads + thread < count:
+            sDot[t, q] = weighted
 
 
 def compile_pipelined_verify(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int, options: str):
@@ -455,4 +528,4 @@ def pipelined_verify_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Opt
 
 def pipelined_verify_space(shape: Mamba2Shape, sm_count: int, arch: str) -> List[PipeVerifyConfig]:
     """The configs the tuner times (``pipeline.verify_space``)."""
-    return verify_space(shape, Mamba2PipelinedVerify.check, sm_count, arch)
+    return verify_space(shape, Mamba2PipelinedVerify.check, sm_count, arch, unit_size(shape.nheads // shape.ngroups))

@@ -77,11 +77,25 @@ def weighted_dots(sDot: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: I
                   A: Float32, origin: Int32, h: Int32, g4: Int32, c4: Int32, cap: cutlass.Constexpr[int],
                   T: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int], NT: cutlass.Constexpr[int],
                   N: cutlass.Constexpr[int], exact: cutlass.Constexpr[bool]):
-    """A warp's 16 columns q from ``q_tile`` of Dots (q, t) = B_q . C_t on tensor cores, weighted
-    into ``sDot[t, q]``: dt_q exp(A (P_t - P_q)) where column q (a ring position, then a draft)
-    counts for draft t (committed records before h, drafts up to t), zero elsewhere. ``dt_j`` and
-    ``prefix`` are lane j's dt and inclusive prefix sum over the live positions."""
+    """A warp's 16 columns q from ``q_tile`` of Dots (q, t) = B_q . C_t (``raw_dots``), weighted
+    into ``sDot[t, q]`` (``weigh_dot``). ``dt_j`` and ``prefix`` are lane j's dt and inclusive
+    prefix sum over the live positions."""
     rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+    raw_dots(rDot, sB, sC, q_tile, g4, c4, NT, N, exact)
+    for nt in cutlass.range_constexpr(NT):
+        for i in cutlass.range_constexpr(4):
+            q = q_tile + g4 + 8 * (i // 2)
+            t = 8 * nt + 2 * c4 + i % 2
+            sDot[t, q] = weigh_dot(rDot[i, 0, nt], t, q, dt_j, prefix, A, origin, h, cap, T, NQ)
+
+
+@cute.jit
+def raw_dots(rDot: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
+             NT: cutlass.Constexpr[int], N: cutlass.Constexpr[int], exact: cutlass.Constexpr[bool]):
+    """A warp's accumulator fragments ``rDot`` (4, 1, NT) of B_q . C_t for its 16 columns q from
+    ``q_tile`` (``sB``'s rows: the ring positions, then the drafts) and the drafts' fp32 C
+    (``sC``), on tensor cores: fragment (i, nt) is column ``q_tile + g4 + 8 (i // 2)``, draft
+    ``8 nt + 2 c4 + i % 2``."""
     rDot.fill(0.0)
     for kb in cutlass.range_constexpr(N // 8):
         rA = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
@@ -90,17 +104,21 @@ def weighted_dots(sDot: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: I
         rCb = cute.make_rmem_tensor(cute.make_layout((2, NT, 1)), Float32)
         load_b_fragment(rCb, sC, 8 * kb, NT)
         mma_tf32(rDot, rA, rCb, not exact, not exact)
-    for nt in cutlass.range_constexpr(NT):
-        for i in cutlass.range_constexpr(4):
-            q = q_tile + g4 + 8 * (i // 2)
-            t = 8 * nt + 2 * c4 + i % 2
-            j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
-            live = (q < NQ) & (t < T) & cutlass.select_(q < cap, j < h, q - cap <= t)
-            dt_q = cute.arch.shuffle_sync(dt_j, j % 32)
-            p_q = cute.arch.shuffle_sync(prefix, j % 32)
-            p_t = cute.arch.shuffle_sync(prefix, (h + t) % 32)
-            w = dt_q * cute.math.exp(A * (p_t - p_q), fastmath=False)
-            sDot[t, q] = cutlass.select_(live, w * rDot[i, 0, nt], Float32(0.0))
+
+
+@cute.jit
+def weigh_dot(raw: Float32, t: Int32, q: Int32, dt_j: Float32, prefix: Float32, A: Float32, origin: Int32, h: Int32,
+              cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int]) -> Float32:
+    """Column q's weighted dot for draft t from its raw B_q . C_t: dt_q exp(A (P_t - P_q)) where
+    column q (a ring position, then a draft) counts for draft t (committed records before h,
+    drafts up to t), zero elsewhere. Every lane of the warp calls it (shuffles)."""
+    j = cutlass.select_(q < cap, (q - origin + cap) % cap, h + q - cap)
+    live = (q < NQ) & (t < T) & cutlass.select_(q < cap, j < h, q - cap <= t)
+    dt_q = cute.arch.shuffle_sync(dt_j, j % 32)
+    p_q = cute.arch.shuffle_sync(prefix, j % 32)
+    p_t = cute.arch.shuffle_sync(prefix, (h + t) % 32)
+    w = dt_q * cute.math.exp(A * (p_t - p_q), fastmath=False)
+    return cutlass.select_(live, w * raw, Float32(0.0))
 
 
 @cute.jit

@@ -11,7 +11,7 @@ from replayssm_cute.runtime import launch
 def _on_kernel(request, monkeypatch, op_kernel: str):
     """Run the case with REPLAYSSM_CUTE_PIPELINED set for ``request.param`` ("tiles", "pipelined",
     "regrouped": the pipeline with the other number of consumer groups, or "units": the pipeline
-    in units of a key head's value heads on a small grid, ``_replaced``), recording the launch
+    in units of heads that share their products on a small grid, ``_replaced``), recording the launch
     configs of the kernels whose names end in ``op_kernel``; then fail unless some launched and
     every one is of the kind asked for."""
     picked, replaced = [], []
@@ -54,14 +54,17 @@ def _replaced(picked_config, param: str, replaced: list):
     """``launch.picked_config`` with a pipelined verify's pick replaced by ``_REPLACEMENTS[param]``
     of the kernel's space (``pipeline.verify_space``, units of a key head's value heads where the
     shape has several), appended to ``replaced``; other picks as they were."""
-    from replayssm_cute.kernels.pipeline import PipeVerifyConfig, verify_space
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig, unit_size, verify_space
     from replayssm_cute.layers.common import sm_count, target_arch
 
     def replace(kernel, shape, batch, num_drafts=0):
         config, tuned = picked_config(kernel, shape, batch, num_drafts)
         if isinstance(config, PipeVerifyConfig):
-            rep = shape.num_v_heads // shape.num_k_heads if hasattr(shape, "num_k_heads") else 1
-            candidate = _REPLACEMENTS[param](config, verify_space(shape, kernel.check, sm_count(), target_arch(), rep))
+            # heads that share their products: a key head's value heads (GDN), a group's heads (Mamba-2)
+            sharing = (shape.num_v_heads // shape.num_k_heads if hasattr(shape, "num_k_heads") else
+                       shape.nheads // shape.ngroups)
+            space = verify_space(shape, kernel.check, sm_count(), target_arch(), unit_size(sharing))
+            candidate = _REPLACEMENTS[param](config, space)
             replaced.append(candidate)
             return candidate, tuned
         return config, tuned
@@ -78,17 +81,11 @@ def decode_kernel(request, monkeypatch):
     yield from _on_kernel(request, monkeypatch, "_decode")
 
 
-@pytest.fixture(params=["tiles", "pipelined", "regrouped"])
+@pytest.fixture(params=["tiles", "pipelined", "regrouped", "units"])
 def verify_kernel(request, monkeypatch):
     """A verify case on both verify kernels of its layer: the tile kernel (kernels/*/verify.py,
     REPLAYSSM_CUTE_PIPELINED=0) and the persistent pipeline (kernels/*/pipelined_verify.py,
-    REPLAYSSM_CUTE_PIPELINED=1), at its default and with the other number of consumer groups (one
-    or two). The case fails unless its verify steps launched the kernel (and groups) asked for."""
-    yield from _on_kernel(request, monkeypatch, "_verify")
-
-
-@pytest.fixture(params=["tiles", "pipelined", "regrouped", "units"])
-def gdn_verify_kernel(request, monkeypatch):
-    """``verify_kernel`` for GDN, and the pipeline in units of a key head's value heads on a grid
-    of 7 CTAs (``_units``)."""
+    REPLAYSSM_CUTE_PIPELINED=1), at its default, with the other number of consumer groups (one
+    or two), and in units of heads that share their products on a grid of 7 CTAs (``_units``).
+    The case fails unless its verify steps launched the kernel (and config) asked for."""
     yield from _on_kernel(request, monkeypatch, "_verify")

@@ -494,10 +494,11 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     copy, 16-row warp tiles, a ring and 1 <= T <= min(16, max_draft, window); its stages (padded
     state tiles, keys and values of every ring position and draft) fit the shared memory; the
     space and the default (its first) at the cache's largest draft count: two CTAs an SM where two
-    fit, with registers capped for them, then one with the most stages."""
+    fit, with registers capped for them, then one with the most stages; then the same in units of
+    four of a group's heads (at most MAX_UNIT_HEADS, a divisor of the group's)."""
     from replayssm_cute.kernels.mamba2.pipelined_verify import (Mamba2PipelinedVerify, pipelined_verify_config,
                                                                 pipelined_verify_space)
-    from replayssm_cute.kernels.pipeline import PipeVerifyConfig
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig, unit_size
 
     check = Mamba2PipelinedVerify.check
     drafts = Mamba2Shape(128, 64, 128, 8, 16, 24)  # max_draft 8
@@ -514,9 +515,9 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     space = pipelined_verify_space(drafts, 132, "sm_90a")
     # Nemotron-3-Super's stage is about 48 KB: two CTAs of 2 stages, or one of up to 4, with two
     # consumer groups (an even number of stages) or one; most items in flight an SM first
-    assert space == [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0, 2),
-                     PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0),
-                     PipeVerifyConfig(2, 132, 4, 0)]
+    heads = [PipeVerifyConfig(2, 264, 4, 2), PipeVerifyConfig(4, 132, 4, 0, 2), PipeVerifyConfig(2, 132, 4, 0, 2),
+             PipeVerifyConfig(4, 132, 4, 0), PipeVerifyConfig(3, 132, 4, 0), PipeVerifyConfig(2, 132, 4, 0)]
+    assert space == heads + [dataclasses.replace(c, heads_per_unit=4) for c in heads]
     assert "must divide the stages" in check(drafts, PipeVerifyConfig(3, 132, 4, 0, 2), 8)
     assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(2, 264, 4, 2, 2), 8)
     assert all(check(drafts, c, 8) is None for c in space)
@@ -528,7 +529,8 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     assert config_label(PipeVerifyConfig(2, 264, 2, 2)) == "pipeverify2_grid264_prefetch2_ctas2"
     assert config_label(PipeVerifyConfig(4, 132, 4, 0, 2)) == "pipeverify4_grid132_groups2"
     assert config_label(PipeVerifyConfig(2, 132, 4, 0, 2, 4)) == "pipeverify2_grid132_groups2_units4"
-    assert "heads_per_unit 2: expected a divisor of 1" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 1, 2), 8)
+    assert "heads_per_unit 3: expected a divisor of 16" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 1, 3), 8)
+    assert (unit_size(16), unit_size(6), unit_size(3), unit_size(1)) == (4, 3, 3, 1)
 
 
 def test_gdn_verify_config_takes_plain_fp32_caches():
@@ -599,7 +601,9 @@ for name, shape, T, module, groups in [
         ("gdn_122b_T4_groups", GDNShape(64, 128, 128, 16, 16, 20), 4, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2)),
         ("gdn_122b_T8_units", GDNShape(64, 128, 128, 16, 16, 24), 8, gdn_verify, PipeVerifyConfig(2, 132, 2, 0, 2, 4)),
         ("gdn_odd_T4_units", GDNShape(6, 64, 64, 2, 8, 12, keep_v_beta=True), 4, gdn_verify,
-         PipeVerifyConfig(2, 132, 2, 0, 1, 3))]:
+         PipeVerifyConfig(2, 132, 2, 0, 1, 3)),
+        ("super_T8_units", Mamba2Shape(128, 64, 128, 8, 16, 24), 8, None, PipeVerifyConfig(2, 264, 2, 2, 1, 4)),
+        ("odd_T4_z_units", Mamba2Shape(12, 48, 64, 3, 8, 12, has_z=True), 4, None, PipeVerifyConfig(4, 132, 2, 0, 2, 4))]:
     pick, build = ((module.pipelined_verify_config, module.compile_pipelined_verify) if module else
                    (pipelined_verify_config, compile_pipelined_verify))
     config = groups or pick(shape, 132, arch)
@@ -612,8 +616,9 @@ for name, shape, T, module, groups in [
 def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
     """The pipelined verifies: Mamba-2 for Nemotron-3-Super (T = 8) and an odd shape with z (three
     16-row warps, T = 4), GDN for Qwen3.5-122B (T = 8) and an odd shape keeping v and beta (four
-    warps, T = 4), both with two consumer groups, and GDN in units of a key head's value heads
-    (122B: four, two groups; the odd shape: three, one group); for each target: the state tiles by TMA (a
+    warps, T = 4), both with two consumer groups, and in units of heads that share their products
+    (GDN 122B: four, two groups; GDN's odd shape: three, one group; Super: four, two CTAs an SM;
+    the odd Mamba-2 shape: four, two groups); for each target: the state tiles by TMA (a
     box per consumer warp), the GEMMs on tensor cores (TF32), the consumers' named barrier (a
     group's: its id a register), the CTA's warps, nothing in local memory."""
     env = _env(tmp_path / "cache")
@@ -623,7 +628,8 @@ def test_pipelined_verify_builds_for_every_arch(arch, tmp_path):
     assert proc.returncode == 0, _ANSI.sub("", proc.stdout)[-4000:]
     for name, warps, groups in (("super_T8", 4, 1), ("odd_T4_z", 3, 1), ("gdn_122b_T8", 8, 1),
                                 ("gdn_odd_T4_v_beta", 4, 1), ("super_T8_groups", 4, 2), ("gdn_122b_T4_groups", 8, 2),
-                                ("gdn_122b_T8_units", 8, 2), ("gdn_odd_T4_units", 4, 1)):
+                                ("gdn_122b_T8_units", 8, 2), ("gdn_odd_T4_units", 4, 1), ("super_T8_units", 4, 1),
+                                ("odd_T4_z_units", 3, 2)):
         text = (tmp_path / f"{name}.ptx").read_text()
         assert f".target {arch}" in text and "cp.async.bulk.tensor" in text, name
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name

@@ -7,7 +7,7 @@ slots bit-identical, standard decode steps interleaved on the same cache (cursor
 a commit included), and the verify + commit step captured in one CUDA graph (both layer types).
 verify's packed (varlen) form against the dense form, bit for bit, eager and captured. The
 random-acceptance and CUDA-graph cases run on both verify kernels of each layer (``verify_kernel``:
-the tile kernel and the pipeline; GDN's ``gdn_verify_kernel`` adds the pipeline in units of a key
+the tile kernel and the pipeline; GDN's ``verify_kernel`` adds the pipeline in units of a key
 head's value heads).
 """
 
@@ -205,7 +205,7 @@ def _gdn_fold_of_stored(cache, slot_ids, h, ckpt):
     ("odd", 8, 4, 24, False), ("odd", 8, 8, 24, False), ("qwen3.5-122b", 16, 4, 32, False), ("odd", 5, 1, 9, False),
     ("odd", 8, 4, 24, True),
 ])
-def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison, gdn_verify_kernel):
+def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison, verify_kernel):
     """GDN verify (drafts' corrections by the triangular solve) + commit over 200 steps against the
     float64 recurrence on the accepted stream; checkpoints after flushes against the fold of
     the stored records; standard decode steps interleaved."""
@@ -270,7 +270,7 @@ def test_gdn_verify_commit_random_acceptance(shape, window, T, batch, poison, gd
         assert torch.equal(t[idle], before), "untouched slots must stay bit-identical"
 
 
-def test_gdn_verify_commit_cuda_graph(gdn_verify_kernel):
+def test_gdn_verify_commit_cuda_graph(verify_kernel):
     """One graph holds GDN verify + commit; replays with fresh drafts and acceptance per row, across
     flushes: outputs against the float64 recurrence on the accepted stream, checkpoints of flushing
     rows against the fold of their stored records and the recurrence, cursors after the commit."""
