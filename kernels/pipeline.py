@@ -373,6 +373,23 @@ def unit_uses(bid: Int32, grid: Int32, total: Int32, heads_per_unit: cutlass.Con
 
 
 @cute.jit
+def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int32, item_buffer: Int32,
+                 barrier: Int32, threads: cutlass.Constexpr[int]):
+    """A consumer warp at a live item: (whether the item leads its unit, forming what the unit's
+    heads share; the buffer of the group's scratch for it). With one head a unit every item
+    leads and that scratch alternates over the group's live items (``item_buffer``); with units
+    the group has one buffer, and its warps meet at the group's ``barrier`` before a unit's first
+    item writes it, so the last unit's readers are done."""
+    lead, buffer = True, item_buffer
+    if cutlass.const_expr(heads_per_unit > 1):
+        lead = item % heads_per_unit == 0
+        buffer = group
+        if lead:
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
+    return lead, buffer
+
+
+@cute.jit
 def consumer_place(consumer: Int32, warps: cutlass.Constexpr[int], groups: cutlass.Constexpr[int]):
     """(group, warp in the group, the group's named barrier id) of consumer warp number
     ``consumer`` of a pipelined verify, ``groups`` groups of ``warps``; with one group the group

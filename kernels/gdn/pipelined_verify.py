@@ -66,7 +66,7 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
                         release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, unit_item,
-                        unit_size, unit_uses, verify_pipe_check, verify_space, wait_stage)
+                        unit_scratch, unit_size, unit_uses, verify_pipe_check, verify_space, wait_stage)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
 from .verify import fold_coefficients, key_products, store_draft_records, weigh_key_product, weighted_key_products
@@ -372,15 +372,10 @@ class GDNPipelinedVerify:
                     sKeys = sm.sKeys[None, None, stage]
                     buf = 2 * cg + live_items % 2
                     sDot = sm.sDot[None, None, buf]
-                    lead = True  # the unit's first item: it normalises the drafts and forms the raw products
-                    sDraft = sm.sDraft[None, None, buf]
-                    if cutlass.const_expr(d.U > 1):
-                        lead = item % d.U == 0
-                        sDraft = sm.sDraft[None, None, cg]
+                    # the unit's first item normalises the drafts and forms the raw products
+                    lead, draft_buf = unit_scratch(item, d.U, cg, buf, group_barrier, 32 * CW)
+                    sDraft = sm.sDraft[None, None, draft_buf]
                     if lead:
-                        if cutlass.const_expr(d.U > 1):
-                            # the group's last unit is done with its drafts and raw products
-                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
                         # The drafts' normalised keys (rows 0..T-1) and queries (rows TP..TP+T-1),
                         # zero between: a draft a warp in turn.
                         for tt in cutlass.range_constexpr(cdiv(TP, CW)):

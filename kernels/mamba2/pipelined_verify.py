@@ -67,7 +67,7 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, copy_rows_async, default_verify_config, item_plan_scalars,
                         publish_tile_boxes, release_stage, rows_at, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, unit_item, unit_size, unit_uses, verify_pipe_check, verify_space,
+                        stages_smem_bytes, unit_item, unit_scratch, unit_size, unit_uses, verify_pipe_check, verify_space,
                         wait_stage)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token
 from .verify import fold_coefficients, raw_dots, weigh_dot, weighted_dots
@@ -370,15 +370,10 @@ class Mamba2PipelinedVerify:
                     sKeys = sm.sKeys[None, None, stage]
                     sValues = sm.sValues[None, None, stage]
                     sDot = sm.sDot[None, None, buf]
-                    lead = True  # the unit's first item: it decodes the drafts' C and forms the raw Dots
-                    sCf = sm.sCf[None, None, buf]
-                    if cutlass.const_expr(d.U > 1):
-                        lead = item % d.U == 0
-                        sCf = sm.sCf[None, None, cg]
+                    # the unit's first item decodes the drafts' C and forms the raw Dots
+                    lead, draft_buf = unit_scratch(item, d.U, cg, buf, group_barrier, 32 * CW)
+                    sCf = sm.sCf[None, None, draft_buf]
                     if lead:
-                        if cutlass.const_expr(d.U > 1):
-                            # the group's last unit is done with its C and raw Dots
-                            cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
                         # The drafts' C in fp32 (rows from T on zero), a row a warp in turn.
                         for tt in cutlass.range_constexpr(cdiv(TP, CW)):
                             t_row = tt * CW + cw
