@@ -320,10 +320,25 @@ def unit_size(sharing: int) -> int:
     return max(u for u in range(1, MAX_UNIT_HEADS + 1) if sharing % u == 0)
 
 
-def default_verify_config(shape, check: Callable, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:
-    """A pipelined verify's default: the first of ``verify_space`` (two CTAs an SM where they fit,
-    else one of two consumer groups; the most stages); None where it is empty."""
-    space = verify_space(shape, check, sm_count, arch)
+def default_verify_config(shape, check: Callable, sm_count: int, arch: str, bucket: int, heads: int,
+                          unit_heads: int) -> Optional[PipeVerifyConfig]:
+    """A pipelined verify's default at batch bucket ``bucket`` of rows of ``heads`` heads: units of
+    ``unit_heads`` sharing heads (``unit_size``) where the batch's units fill the grid (``bucket
+    heads >= heads_per_unit ctas``), the first such config of ``verify_space`` with one consumer
+    group; else the first of the space (items of one head: two CTAs an SM where they fit, else
+    one of two consumer groups; the most stages); None where it is empty.
+
+    Why: a unit serialises its heads in one group, which pays where every CTA has units to walk
+    and loses where the grid is not filled (batch 1: 20 against 12 us on Qwen3.5-122B, T = 4);
+    two groups of a two-stage CTA each hold a stage through their unit, leaving none to prefetch
+    (GDN Qwen3.5-122B, H100: one group took 0.84-0.94x the time of two). sweeps/results/README.md,
+    "Verify in units"."""
+    space = verify_space(shape, check, sm_count, arch, unit_heads)
+    for config in space:
+        if config.heads_per_unit > 1 and config.consumer_groups == 1:
+            if bucket * heads >= config.heads_per_unit * config.ctas:
+                return config
+            break
     return space[0] if space else None
 
 

@@ -70,7 +70,7 @@ def speculative_configs(model, batch: int, drafts: int, window: int = 16, quick:
     then the layer's grid, those the kernel takes; at most VERIFY_CANDIDATES (QUICK_CANDIDATES with quick)."""
     layer = bench_layer(model)
     defaults = [layer.default_speculative_config(model, batch, window, drafts)]
-    return grid_configs(model, batch, defaults + layer.speculative_space(model, window, drafts),
+    return grid_configs(model, batch, defaults + layer.speculative_space(model, window, drafts, batch),
                         lambda c: c is None or layer.speculative_check(model, window, drafts, c) is None,
                         QUICK_CANDIDATES if quick else VERIFY_CANDIDATES)
 

@@ -173,7 +173,7 @@ class GDNPipelinedVerify:
             return "the pipelined verify does not re-derive corrections (a read-copy cache's flush)"
         return verify_pipe_check(config, shape, num_drafts, shape.head_v_dim, shape.head_k_dim,
                                  GDNPipelinedVerify.smem_bytes(shape, config, num_drafts),
-                                 shape.num_v_heads // shape.num_k_heads)
+                                 sharing_heads(shape))
 
     @cute.jit
     def __call__(
@@ -529,15 +529,21 @@ def ring_corrections(rU: cute.Tensor, sRingU: cute.Tensor, p_warp: Int32, g4: In
             rU[i, kf] = cutlass.select_(q < cap, uv, Float32(0.0))
 
 
-def pipelined_verify_config(shape: GDNShape, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:
-    """The default launch config (``pipeline.default_verify_config``), None where the kernel cannot take the shape."""
-    return default_verify_config(shape, GDNPipelinedVerify.check, sm_count, arch)
+def pipelined_verify_config(shape: GDNShape, sm_count: int, arch: str, bucket: int = 1) -> Optional[PipeVerifyConfig]:
+    """The default launch config at batch bucket ``bucket`` (``pipeline.default_verify_config``),
+    None where the kernel cannot take the shape."""
+    return default_verify_config(shape, GDNPipelinedVerify.check, sm_count, arch, bucket, shape.num_v_heads,
+                                 unit_size(sharing_heads(shape)))
 
 
 def pipelined_verify_space(shape: GDNShape, sm_count: int, arch: str) -> List[PipeVerifyConfig]:
     """The configs the tuner times (``pipeline.verify_space``)."""
-    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch,
-                        unit_size(shape.num_v_heads // shape.num_k_heads))
+    return verify_space(shape, GDNPipelinedVerify.check, sm_count, arch, unit_size(sharing_heads(shape)))
+
+
+def sharing_heads(shape: GDNShape) -> int:
+    """Heads that share their products (the value heads of a key head): a unit's heads divide them."""
+    return shape.num_v_heads // shape.num_k_heads
 
 
 def compile_pipelined_verify(shape: GDNShape, config: PipeVerifyConfig, num_drafts: int, options: str):

@@ -169,7 +169,7 @@ class Mamba2PipelinedVerify:
     def check(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int) -> Optional[str]:
         return verify_pipe_check(config, shape, num_drafts, shape.headdim, shape.dstate,
                                  Mamba2PipelinedVerify.smem_bytes(shape, config, num_drafts),
-                                 shape.nheads // shape.ngroups)
+                                 sharing_heads(shape))
 
     @cute.jit
     def __call__(
@@ -516,11 +516,18 @@ def compile_pipelined_verify(shape: Mamba2Shape, config: PipeVerifyConfig, num_d
     return cute.compile(Mamba2PipelinedVerify(shape, config, num_drafts), *args.values(), stream, options=options)
 
 
-def pipelined_verify_config(shape: Mamba2Shape, sm_count: int, arch: str) -> Optional[PipeVerifyConfig]:
-    """The default launch config (``pipeline.default_verify_config``), None where the kernel cannot take the shape."""
-    return default_verify_config(shape, Mamba2PipelinedVerify.check, sm_count, arch)
+def pipelined_verify_config(shape: Mamba2Shape, sm_count: int, arch: str, bucket: int = 1) -> Optional[PipeVerifyConfig]:
+    """The default launch config at batch bucket ``bucket`` (``pipeline.default_verify_config``),
+    None where the kernel cannot take the shape."""
+    return default_verify_config(shape, Mamba2PipelinedVerify.check, sm_count, arch, bucket, shape.nheads,
+                                 unit_size(sharing_heads(shape)))
 
 
 def pipelined_verify_space(shape: Mamba2Shape, sm_count: int, arch: str) -> List[PipeVerifyConfig]:
     """The configs the tuner times (``pipeline.verify_space``)."""
-    return verify_space(shape, Mamba2PipelinedVerify.check, sm_count, arch, unit_size(shape.nheads // shape.ngroups))
+    return verify_space(shape, Mamba2PipelinedVerify.check, sm_count, arch, unit_size(sharing_heads(shape)))
+
+
+def sharing_heads(shape: Mamba2Shape) -> int:
+    """Heads that share their products (the heads of a group): a unit's heads divide them."""
+    return shape.nheads // shape.ngroups

@@ -127,14 +127,14 @@ class _Layer:
         return cls.host.verify_kernel.default_config(cls.kernel_shape(m, window, drafts), batch_bucket(batch))
 
     @classmethod
-    def speculative_space(cls, m, window, drafts):
+    def speculative_space(cls, m, window, drafts, batch):
         """The pipelined verify's configs (``pipelined_verify_space``) where verify runs it by
-        default on the pool of T = ``drafts``; else [] (the tile grid serves)."""
+        default on the pool of T = ``drafts`` at ``batch`` rows; else [] (the tile grid serves)."""
         import importlib
 
         from .layers.common import sm_count, target_arch
 
-        default = cls.default_speculative_config(m, 1, window, drafts)
+        default = cls.default_speculative_config(m, batch, window, drafts)
         if default is None or not hasattr(default, "stages"):
             return []
         module = importlib.import_module(f"replayssm_cute.kernels.{m.layer}.pipelined_verify")

@@ -52,18 +52,18 @@ _REPLACEMENTS = {"regrouped": _other_groups, "units": _units}
 
 def _replaced(picked_config, param: str, replaced: list):
     """``launch.picked_config`` with a pipelined verify's pick replaced by ``_REPLACEMENTS[param]``
-    of the kernel's space (``pipeline.verify_space``, units of a key head's value heads where the
-    shape has several), appended to ``replaced``; other picks as they were."""
-    from replayssm_cute.kernels.pipeline import PipeVerifyConfig, unit_size, verify_space
+    of the kernel's space (``pipelined_verify_space``: items of one head, then units of the heads
+    that share their products), appended to ``replaced``; other picks as they were."""
+    from replayssm_cute.kernels.gdn import pipelined_verify as gdn_verify
+    from replayssm_cute.kernels.mamba2 import pipelined_verify as mamba2_verify
+    from replayssm_cute.kernels.pipeline import PipeVerifyConfig
     from replayssm_cute.layers.common import sm_count, target_arch
 
     def replace(kernel, shape, batch, num_drafts=0):
         config, tuned = picked_config(kernel, shape, batch, num_drafts)
         if isinstance(config, PipeVerifyConfig):
-            # heads that share their products: a key head's value heads (GDN), a group's heads (Mamba-2)
-            sharing = (shape.num_v_heads // shape.num_k_heads if hasattr(shape, "num_k_heads") else
-                       shape.nheads // shape.ngroups)
-            space = verify_space(shape, kernel.check, sm_count(), target_arch(), unit_size(sharing))
+            module = gdn_verify if hasattr(shape, "num_k_heads") else mamba2_verify
+            space = module.pipelined_verify_space(shape, sm_count(), target_arch())
             candidate = _REPLACEMENTS[param](config, space)
             replaced.append(candidate)
             return candidate, tuned

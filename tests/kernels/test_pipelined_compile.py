@@ -523,6 +523,9 @@ def test_verify_config_takes_fp32_checkpoints_and_draft_counts_it_fits():
     assert all(check(drafts, c, 8) is None for c in space)
     assert "do not fit on an SM" in check(drafts, PipeVerifyConfig(3, 264, 4, 2), 8)
     assert pipelined_verify_config(drafts, 132, "sm_90a") == space[0]
+    # units (one group) where the batch's units fill the grid: 16 rows x 128 heads >= 4 x 264
+    assert pipelined_verify_config(drafts, 132, "sm_90a", 16) == PipeVerifyConfig(2, 264, 4, 2, 1, 4)
+    assert pipelined_verify_config(drafts, 132, "sm_90a", 8) == space[0]
     assert pipelined_verify_config(SUPER, 132, "sm_90a") is None and pipelined_verify_space(SUPER, 132, "sm_90a") == []
     assert pipelined_verify_config(drafts, 148, "sm_100a").prefetch == 2
     assert config_label(config) == "pipeverify3_grid132"
@@ -558,16 +561,22 @@ def test_gdn_verify_config_takes_plain_fp32_caches():
     four = GDNShape(64, 128, 128, 16, 16, 20)
     assert pipelined_verify_space(four, 132, "sm_90a") == [PipeVerifyConfig(2, 132, 4, 0, 2), PipeVerifyConfig(2, 132, 4)] + units
     assert pipelined_verify_config(four, 132, "sm_90a") == PipeVerifyConfig(2, 132, 4, 0, 2)
+    # units of one group where the batch's units fill the grid (16 rows x 64 heads >= 4 x 132), at T = 4 and 8
+    for shape in (drafts, four):
+        assert pipelined_verify_config(shape, 132, "sm_90a", 16) == PipeVerifyConfig(2, 132, 4, 0, 1, 4)
+        assert pipelined_verify_config(shape, 132, "sm_90a", 8).heads_per_unit == 1
     assert "shared memory" in check(drafts, PipeVerifyConfig(2, 132, 4, 0, 2), 8)
     assert "heads_per_unit 3: expected a divisor of 4" in check(four, PipeVerifyConfig(2, 132, 4, 0, 1, 3), 4)
 
 
-@pytest.mark.parametrize("layer, max_draft, by_default", [("mamba2", 8, True), ("gdn", 4, True), ("gdn", 8, False)])
+@pytest.mark.parametrize("layer, max_draft, batch, by_default", [("mamba2", 8, 1, True), ("gdn", 4, 1, True),
+                                                                  ("gdn", 8, 8, False), ("gdn", 8, 16, True)])
 @pytest.mark.parametrize("forced", ["", "1", "0"])
-def test_verify_routing(monkeypatch, layer, max_draft, by_default, forced):
-    """On sm_90a verify runs the pipeline by default for Mamba-2 and for GDN caches of at most
-    PIPELINED_VERIFY_MAX_DRAFTS drafts; REPLAYSSM_CUTE_PIPELINED=1 asks for it anywhere it takes
-    the cache, =0 keeps the tile verify."""
+def test_verify_routing(monkeypatch, layer, max_draft, batch, by_default, forced):
+    """On sm_90a verify runs the pipeline by default for Mamba-2, for GDN caches of at most
+    PIPELINED_VERIFY_MAX_DRAFTS drafts, and for larger GDN caches where its default is units (the
+    batch's units fill the grid: 16 rows of 64 value heads, 4 a unit, on 132 CTAs);
+    REPLAYSSM_CUTE_PIPELINED=1 asks for it anywhere it takes the cache, =0 keeps the tile verify."""
     from replayssm_cute.layers import LAYERS
     from replayssm_cute.layers.gdn import PIPELINED_VERIFY_MAX_DRAFTS
 
@@ -577,7 +586,7 @@ def test_verify_routing(monkeypatch, layer, max_draft, by_default, forced):
     drafts = (Mamba2Shape(128, 64, 128, 8, 16, 16 + max_draft) if layer == "mamba2" else
               GDNShape(64, 128, 128, 16, 16, 16 + max_draft))
     kernel = LAYERS[layer].verify_kernel
-    config = kernel.default_config(drafts, 256)
+    config = kernel.default_config(drafts, batch)
     assert (type(config).__name__ == "PipeVerifyConfig") == {"": by_default, "1": True, "0": False}[forced]
     assert kernel.check(drafts, config, max_draft) is None
 

@@ -8,6 +8,7 @@ runtime, the Shape of a call, its argument list).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -16,8 +17,8 @@ import torch
 from .. import checks
 from ..cache import GDNCache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
-                     whole_head)
+from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, sm_count,
+                     state_copy_args, target_arch, whole_head)
 
 # The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
 # batch 8 and next to a read copy (v / beta records, re-derived corrections) from batch 32, where it was measured
@@ -29,14 +30,20 @@ from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_ge
 PIPELINED_MIN_BATCH = 8
 PIPELINED_READ_COPY_MIN_BATCH = 32
 
-# The pipelined verify (kernels/gdn/pipelined_verify.py) serves caches of at most this many drafts: faster than
-# the tile verify at T = 2 and 4, slower at T = 8, where its one CTA an SM of two whole-head stages is the limit
-# (sweeps/results/README.md, "Verify on the pipeline").
+# The pipelined verify (kernels/gdn/pipelined_verify.py) serves caches of at most this many drafts at every batch:
+# faster than the tile verify at T = 2 and 4. Larger caches take it where its default is units of a key head's
+# value heads (batches whose units fill the grid): at T = 8 items of one head, one CTA an SM of two whole-head
+# stages, are slower than the tile verify, units faster (sweeps/results/README.md, "Verify in units").
 PIPELINED_VERIFY_MAX_DRAFTS = 4
 
 
-def pipelined_verify_by_default(shape) -> bool:
-    return shape.capacity - shape.window <= PIPELINED_VERIFY_MAX_DRAFTS
+def pipelined_verify_by_default(shape, bucket: int) -> bool:
+    from ..kernels.gdn.pipelined_verify import pipelined_verify_config
+
+    if shape.capacity - shape.window <= PIPELINED_VERIFY_MAX_DRAFTS:
+        return True
+    config = pipelined_verify_config(shape, sm_count(), target_arch(), bucket)
+    return config is not None and config.heads_per_unit > 1
 
 
 def pipelined_by_default(shape, bucket: int) -> bool:
@@ -128,7 +135,8 @@ def _verify_default(shape, bucket: int):
     from ..kernels.gdn.defaults import default_gdn_verify_config
     from ..kernels.gdn.pipelined_verify import pipelined_verify_config
 
-    config = pipelined_choice(shape, pipelined_verify_config, by_default=pipelined_verify_by_default(shape))
+    config = pipelined_choice(shape, functools.partial(pipelined_verify_config, bucket=bucket),
+                              by_default=pipelined_verify_by_default(shape, bucket))
     if config is not None:
         return config
     return default_gdn_verify_config(shape.head_v_dim, bucket, whole_head(shape))

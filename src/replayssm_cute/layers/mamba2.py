@@ -7,6 +7,7 @@ their checks, the CPU reference of each op (replayssm_cute.reference), and each 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -102,7 +103,7 @@ def _verify_default(shape, bucket: int):
 
     # the pipelined verify (kernels/mamba2/pipelined_verify.py) where it takes the cache: faster than the
     # tile verify at every (batch, T, a) measured (sweeps/results/README.md, "Verify on the pipeline")
-    config = pipelined_choice(shape, pipelined_verify_config, by_default=True)
+    config = pipelined_choice(shape, functools.partial(pipelined_verify_config, bucket=bucket), by_default=True)
     if config is not None:
         return config
     return default_mamba2_verify_config(shape.headdim, bucket, whole_head(shape))
