@@ -30,7 +30,8 @@ and the drafts' C. The unit's first item decodes C and forms the raw Dots ``B_q 
 group's unit scratch (one buffer: a group barrier at the unit's start waits for the last unit's
 readers); each item weighs them with its own dts and decay element-wise (``weigh_unit_dots``), so
 an item after the first skips the decode, the Dots GEMM and two barriers. The producer loads the
-group's B and C for a unit's first item only, and the ring's B where an item folds.
+drafts' C for a unit's first item only, and the group's B (ring and drafts) for it and where an
+item folds.
 
 Tensor contract: as ``kernels/mamba2/verify.py`` (same arguments, same order), restricted to an
 fp32 checkpoint without a read copy (``Mamba2PipelinedVerify.check``): the checkpoint scales, the
@@ -304,12 +305,14 @@ class Mamba2PipelinedVerify:
                         copy_records_async(copy16, mRingX[slot64, None, head, None], rows_at(sValues, 0, cap), per16,
                                            origin, h)
                         copy_rows_async(copy16, mX[row, None, head, None], rows_at(sValues, cap, T), per16)
-                        # the group's B and C where the item forms the Dots; the ring's B where it folds
+                        # the group's B where the item forms the Dots or folds (the fold's last k-step
+                        # reaches the drafts' rows, weighted by zeros: they must be finite), its C where
+                        # the item forms the Dots
                         if lead or h + T > d.L:
                             copy_records_async(copy16, mRingB[slot64, None, group, None], rows_at(sKeys, 0, cap),
                                                per16, origin, h)
-                        if lead:
                             copy_rows_async(copy16, mB[row, None, group, None], rows_at(sKeys, cap, T), per16)
+                        if lead:
                             copy_rows_async(copy16, mC[row, None, group, None], sm.sC[None, None, stage], per16)
                         if cutlass.const_expr(s.has_z):
                             copy_rows_async(copy16, mZ[row, None, head, None], sm.sZ[None, None, stage], per16)
