@@ -405,6 +405,33 @@ def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int
 
 
 @cute.jit
+def store_unit_products(sRaw: cute.Tensor, rAcc: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32):
+    """A warp's MMA accumulators ``rAcc`` (4, 1, n-tiles of 8 rows) of the 16 columns from
+    ``q_tile`` into a unit's raw products ``sRaw[row, col]``, for every head of the unit to weigh."""
+    for nt in cutlass.range_constexpr(cute.size(rAcc, mode=[2])):
+        for i in cutlass.range_constexpr(4):
+            sRaw[8 * nt + 2 * c4 + i % 2, q_tile + g4 + 8 * (i // 2)] = rAcc[i, 0, nt]
+
+
+@cute.jit
+def weigh_unit_products(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int],
+                        weigh: cutlass.Constexpr, weights: cutlass.Constexpr):
+    """A consumer group's ``threads`` weigh a unit's raw products ``sRaw`` (rows, cols) into the
+    item's ``sDot``: ``weigh(raw, row, col, *weights)``, the layer's weights of its head (its
+    decays); element ``thread`` and every ``threads``-th after it. Every lane runs every round
+    (the weights' shuffles)."""
+    cols = cute.size(sRaw, mode=[1])
+    count = cute.size(sRaw, mode=[0]) * cols
+    for r in cutlass.range_constexpr((count + threads - 1) // threads):
+        e = cutlass.min(r * threads + thread, count - 1)
+        row = e // cols
+        col = e % cols
+        weighted = weigh(sRaw[row, col], row, col, *weights)
+        if r * threads + thread < count:
+            sDot[row, col] = weighted
+
+
+@cute.jit
 def consumer_place(consumer: Int32, warps: cutlass.Constexpr[int], groups: cutlass.Constexpr[int]):
     """(group, warp in the group, the group's named barrier id) of consumer warp number
     ``consumer`` of a pipelined verify, ``groups`` groups of ``warps``; with one group the group

@@ -28,8 +28,8 @@ takes U consecutive items of one row in turn (``pipeline.unit_item``), which sha
 drafts and keys. The unit's first item normalises the drafts and forms the raw key products
 ``k_col . x_s`` into the group's unit scratch (one buffer: a group barrier at the unit's start
 waits for the last unit's readers); each item weighs them with its own decays element-wise
-(``weigh_unit_products``) into its double-buffered products, so an item after the first skips
-the normalisation, the key GEMM and two barriers. The producer loads the drafts' q and k for a
+(``pipeline.weigh_unit_products`` with ``verify.weigh_key_product``) into its double-buffered
+products, so an item after the first skips the normalisation, the key GEMM and two barriers. The producer loads the drafts' q and k for a
 unit's first item only, and the ring keys only where the item forms the products or folds.
 
 Tensor contract: as ``kernels/gdn/verify.py`` (same arguments, same order), restricted to an fp32
@@ -65,8 +65,9 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
                       slot_rows)
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
-                        release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes, unit_item,
-                        unit_scratch, unit_size, unit_uses, verify_pipe_check, verify_space, wait_stage)
+                        release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes,
+                        store_unit_products, unit_item, unit_scratch, unit_size, unit_uses, verify_pipe_check,
+                        verify_space, wait_stage, weigh_unit_products)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
 from .verify import fold_coefficients, key_products, store_draft_records, weigh_key_product, weighted_key_products
@@ -399,8 +400,9 @@ class GDNPipelinedVerify:
                             for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
                                 q_tile = (mt * CW + cw) * 16
                                 if q_tile < NQP:
-                                    raw_key_products(sm.sRaw[None, None, cg], sKeys, sDraft, q_tile, g4, c4, cap, T,
-                                                     NT, K)
+                                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
+                                    key_products(rDot, sKeys, sDraft, q_tile, g4, c4, cap, T, NT, K)
+                                    store_unit_products(sm.sRaw[None, None, cg], rDot, q_tile, g4, c4)
 
                     # Lane j: g of record j in order (committed j < h, draft d at lane h + d); beta of
                     # draft d at lane h + d; the inclusive prefix sums P_j.
@@ -419,8 +421,8 @@ class GDNPipelinedVerify:
                         # the head's weights on the unit's raw products, element-wise
                         if lead:
                             cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-                        weigh_unit_products(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, prefix, origin, h,
-                                            cap, T, TP, NQ, NQP)
+                        weigh_unit_products(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, weigh_key_product,
+                                            (prefix, origin, h, cap, T, TP, NQ))
                     else:
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
                         # Dots (col, x_s) = k_col . x_s for x in {k, q}: 16 key columns a warp GEMM, weighted.
@@ -485,36 +487,6 @@ class GDNPipelinedVerify:
 
                     live_items = live_items + 1
                 release_stage(sm.empty, stage)
-
-
-@cute.jit
-def raw_key_products(sRaw: cute.Tensor, sKeys: cute.Tensor, sDraft: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
-                     cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int], NT: cutlass.Constexpr[int],
-                     K: cutlass.Constexpr[int]):
-    """A warp's 16 key columns from ``q_tile`` of the raw key products (``verify.key_products``)
-    into ``sRaw[x_s, col]``, for every value head of a unit to weigh."""
-    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, 2 * NT)), Float32)
-    key_products(rDot, sKeys, sDraft, q_tile, g4, c4, cap, T, NT, K)
-    for nt in cutlass.range_constexpr(2 * NT):
-        for i in cutlass.range_constexpr(4):
-            sRaw[8 * nt + 2 * c4 + i % 2, q_tile + g4 + 8 * (i // 2)] = rDot[i, 0, nt]
-
-
-@cute.jit
-def weigh_unit_products(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int],
-                        prefix: Float32, origin: Int32, h: Int32, cap: cutlass.Constexpr[int], T: cutlass.Constexpr[int],
-                        TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int], NQP: cutlass.Constexpr[int]):
-    """A consumer group's ``threads`` weigh the unit's raw products ``sRaw`` (2 TP, NQP) with their
-    head's decays into ``sDot`` (``verify.weigh_key_product``), element ``thread`` and every
-    ``threads``-th after it; every lane runs every round (the weights' shuffles)."""
-    count = 2 * TP * NQP
-    for r in cutlass.range_constexpr(cdiv(count, threads)):
-        e = cutlass.min(r * threads + thread, count - 1)
-        xs = e // NQP
-        q = e % NQP
-        weighted = weigh_key_product(sRaw[xs, q], xs, q, prefix, origin, h, cap, T, TP, NQ)
-        if r * threads + thread < count:
-            sDot[xs, q] = weighted
 
 
 @cute.jit

@@ -28,10 +28,10 @@ Units (``PipeVerifyConfig.heads_per_unit`` = U > 1, U dividing a group's heads):
 takes U consecutive items of one row in turn (``pipeline.unit_item``), which share the group's B
 and the drafts' C. The unit's first item decodes C and forms the raw Dots ``B_q . C_t`` into the
 group's unit scratch (one buffer: a group barrier at the unit's start waits for the last unit's
-readers); each item weighs them with its own dts and decay element-wise (``weigh_unit_dots``), so
-an item after the first skips the decode, the Dots GEMM and two barriers. The producer loads the
-drafts' C for a unit's first item only, and the group's B (ring and drafts) for it and where an
-item folds.
+readers); each item weighs them with its own dts and decay element-wise
+(``pipeline.weigh_unit_products`` with ``verify.weigh_dot``), so an item after the first skips the
+decode, the Dots GEMM and two barriers. The producer loads the drafts' C for a unit's first item
+only, and the group's B (ring and drafts) for it and where an item folds.
 
 Tensor contract: as ``kernels/mamba2/verify.py`` (same arguments, same order), restricted to an
 fp32 checkpoint without a read copy (``Mamba2PipelinedVerify.check``): the checkpoint scales, the
@@ -68,8 +68,8 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, copy_rows_async, default_verify_config, item_plan_scalars,
                         publish_tile_boxes, release_stage, rows_at, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, unit_item, unit_scratch, unit_size, unit_uses, verify_pipe_check, verify_space,
-                        wait_stage)
+                        stages_smem_bytes, store_unit_products, unit_item, unit_scratch, unit_size, unit_uses,
+                        verify_pipe_check, verify_space, wait_stage, weigh_unit_products)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token
 from .verify import fold_coefficients, raw_dots, weigh_dot, weighted_dots
 
@@ -394,7 +394,9 @@ class Mamba2PipelinedVerify:
                             for mt in cutlass.range_constexpr(cdiv(NQP // 16, CW)):
                                 q_tile = (mt * CW + cw) * 16
                                 if q_tile < NQP:
-                                    store_raw_dots(sm.sRaw[None, None, cg], sKeys, sCf, q_tile, g4, c4, NT, N, exact)
+                                    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
+                                    raw_dots(rDot, sKeys, sCf, q_tile, g4, c4, NT, N, exact)
+                                    store_unit_products(sm.sRaw[None, None, cg], rDot, q_tile, g4, c4)
 
                     # Lane j: dt of record j in logical order (committed j < h, draft t at lane h + t),
                     # and the inclusive prefix sums P_j.
@@ -414,8 +416,8 @@ class Mamba2PipelinedVerify:
                         # the head's weights on the unit's raw Dots, element-wise
                         if lead:
                             cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
-                        weigh_unit_dots(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, dt_j, prefix, A, origin, h,
-                                        cap, T, TP, NQ, NQP)
+                        weigh_unit_products(sDot, sm.sRaw[None, None, cg], cw * 32 + lane, 32 * CW, weigh_dot,
+                                            (dt_j, prefix, A, origin, h, cap, T, NQ))
                     else:
                         cute.arch.barrier(barrier_id=group_barrier, number_of_threads=32 * CW)
                         # Dots (q, t) = B_q . C_t, 16 columns q a warp GEMM, weighted into sDot.
@@ -477,36 +479,6 @@ class Mamba2PipelinedVerify:
                             mRingDt[slot64, (origin + lane) % cap, head] = dt_j
                     live_items = live_items + 1
                 release_stage(sm.empty, stage)
-
-
-@cute.jit
-def store_raw_dots(sRaw: cute.Tensor, sB: cute.Tensor, sC: cute.Tensor, q_tile: Int32, g4: Int32, c4: Int32,
-                   NT: cutlass.Constexpr[int], N: cutlass.Constexpr[int], exact: cutlass.Constexpr[bool]):
-    """A warp's 16 columns q from ``q_tile`` of the raw Dots B_q . C_t (``verify.raw_dots``) into
-    ``sRaw[t, q]``, for every head of a unit to weigh."""
-    rDot = cute.make_rmem_tensor(cute.make_layout((4, 1, NT)), Float32)
-    raw_dots(rDot, sB, sC, q_tile, g4, c4, NT, N, exact)
-    for nt in cutlass.range_constexpr(NT):
-        for i in cutlass.range_constexpr(4):
-            sRaw[8 * nt + 2 * c4 + i % 2, q_tile + g4 + 8 * (i // 2)] = rDot[i, 0, nt]
-
-
-@cute.jit
-def weigh_unit_dots(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int], dt_j: Float32,
-                    prefix: Float32, A: Float32, origin: Int32, h: Int32, cap: cutlass.Constexpr[int],
-                    T: cutlass.Constexpr[int], TP: cutlass.Constexpr[int], NQ: cutlass.Constexpr[int],
-                    NQP: cutlass.Constexpr[int]):
-    """A consumer group's ``threads`` weigh the unit's raw Dots ``sRaw`` (TP, NQP) with their
-    head's dts and decay into ``sDot`` (``verify.weigh_dot``), element ``thread`` and every
-    ``threads``-th after it; every lane runs every round (the weights' shuffles)."""
-    count = TP * NQP
-    for r in cutlass.range_constexpr(cdiv(count, threads)):
-        e = cutlass.min(r * threads + thread, count - 1)
-        t = e // NQP
-        q = e % NQP
-        weighted = weigh_dot(sRaw[t, q], t, q, dt_j, prefix, A, origin, h, cap, T, NQ)
-        if r * threads + thread < count:
-            sDot[t, q] = weighted
 
 
 def compile_pipelined_verify(shape: Mamba2Shape, config: PipeVerifyConfig, num_drafts: int, options: str):
