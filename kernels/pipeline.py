@@ -331,7 +331,7 @@ def default_verify_config(shape, check: Callable, sm_count: int, arch: str, buck
     Why: a unit serialises its heads in one group, which pays where every CTA has units to walk
     and loses where the grid is not filled (batch 1: 20 against 12 us on Qwen3.5-122B, T = 4);
     two groups of a two-stage CTA each hold a stage through their unit, leaving none to prefetch
-    (GDN Qwen3.5-122B, H100: one group took 0.84-0.94x the time of two). sweeps/results/README.md,
+    (GDN Qwen3.5-122B, H100: one group took 0.84-0.95x the time of two). sweeps/results/README.md,
     "Verify in units"."""
     space = verify_space(shape, check, sm_count, arch, unit_heads)
     for config in space:
@@ -415,7 +415,7 @@ def store_unit_products(sRaw: cute.Tensor, rAcc: cute.Tensor, q_tile: Int32, g4:
 
 @cute.jit
 def weigh_unit_products(sDot: cute.Tensor, sRaw: cute.Tensor, thread: Int32, threads: cutlass.Constexpr[int],
-                        weigh: cutlass.Constexpr, weights: cutlass.Constexpr):
+                        weigh: Callable, weights: tuple):
     """A consumer group's ``threads`` weigh a unit's raw products ``sRaw`` (rows, cols) into the
     item's ``sDot``: ``weigh(raw, row, col, *weights)``, the layer's weights of its head (its
     decays); element ``thread`` and every ``threads``-th after it. Every lane runs every round

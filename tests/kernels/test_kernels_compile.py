@@ -262,7 +262,7 @@ def test_second_precompile_is_a_cache_hit(builds, model):
 # The verify kernels (and commit) that `precompile --drafts` builds, at window 16: nemotron-super
 # with T = 2, 4, 8 (a cache of max_draft 8: 24 ring records) and nemotron-nano-4b with T = 4
 # (max_draft 4, headdim 80), each with the small- and large-batch launch configs verify picks (on
-# sm_90a the pipelined verify's one),
+# sm_90a the pipelined verify's two: items of one head, and units),
 # plus on sm_90a the decode kernels on the super draft cache (capacity 24 > window); sm_103a (whose
 # PTX is sm_100a's but for the .target line) takes the large-batch configs only, to save CI time.
 # One child process per arch compiles each kernel once, straight to PTX (precompile --dump-ptx
@@ -308,13 +308,15 @@ def _draft_kernels(model, drafts, with_decode, large_only):
 
 
 def _verify_configs(model, large_only, arch):
-    """How many launch configs precompile builds each verify kernel at: on sm_90a one, the pipelined
-    verify's (it serves every batch there); elsewhere the tile verify's defaults for small and large
-    batches (one where they agree, e.g. a head dim that takes 16-row tiles only)."""
+    """How many launch configs precompile builds each verify kernel at: on sm_90a two, the pipelined
+    verify's (it serves every batch there) in items of one head at small batches and in units of a
+    group's heads where a batch's units fill the grid (both models: 128 / 96 heads, units of 4);
+    elsewhere the tile verify's defaults for small and large batches (one where they agree, e.g. a
+    head dim that takes 16-row tiles only)."""
     from replayssm_cute.kernels.mamba2.defaults import default_mamba2_verify_config
 
     if arch == "sm_90a":
-        return 1
+        return 2
     m = get_model(model)
     return len({default_mamba2_verify_config(m.headdim, b) for b in ((1024,) if large_only else (1, 1024))})
 
