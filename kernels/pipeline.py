@@ -388,6 +388,16 @@ def unit_uses(bid: Int32, grid: Int32, total: Int32, heads_per_unit: cutlass.Con
 
 
 @cute.jit
+def unit_lead(item: Int32, heads_per_unit: cutlass.Constexpr[int]):
+    """Whether ``item`` is its unit's first (``unit_item``), the one that forms what the unit's
+    heads share: every item with one head a unit."""
+    lead = True
+    if cutlass.const_expr(heads_per_unit > 1):
+        lead = item % heads_per_unit == 0
+    return lead
+
+
+@cute.jit
 def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int32, item_buffer: Int32,
                  barrier: Int32, threads: cutlass.Constexpr[int]):
     """A consumer warp at a live item: (whether the item leads its unit, forming what the unit's
@@ -395,9 +405,8 @@ def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int
     leads and that scratch alternates over the group's live items (``item_buffer``); with units
     the group has one buffer, and its warps meet at the group's ``barrier`` before a unit's first
     item writes it, so the last unit's readers are done."""
-    lead, buffer = True, item_buffer
+    lead, buffer = unit_lead(item, heads_per_unit), item_buffer
     if cutlass.const_expr(heads_per_unit > 1):
-        lead = item % heads_per_unit == 0
         buffer = group
         if lead:
             cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)

@@ -66,7 +66,7 @@ from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols
 from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
                         copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
                         release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes,
-                        store_unit_products, unit_item, unit_scratch, unit_size, unit_uses, verify_pipe_check,
+                        store_unit_products, unit_item, unit_lead, unit_scratch, unit_size, unit_uses, verify_pipe_check,
                         verify_space, wait_stage, weigh_unit_products)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
@@ -293,9 +293,7 @@ class GDNPipelinedVerify:
                     vhead = item % HV
                     khead = vhead // rep
                     stage, phase = stage_of(first + u, ST)
-                    lead = True  # the unit's first item: its products need the keys and drafts
-                    if cutlass.const_expr(d.U > 1):
-                        lead = item % d.U == 0
+                    lead = unit_lead(item, d.U)  # the unit's first item: its products need the keys and drafts
                     slot = cute.arch.shuffle_sync(rInt[0], u)
                     h = cute.arch.shuffle_sync(rInt[1], u)
                     origin = cute.arch.shuffle_sync(rInt[2], u)
