@@ -24,6 +24,9 @@ from replayssm_cute.models import ModelSpec, get_model
 
 from tests.helpers import ROOT, repo_pythonpath
 
+# its tests share the module's fixtures: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("kernels_compile")
+
 MODELS = ("nemotron-super", "nemotron-nano-4b", "qwen3.5-4b", "qwen3.5-122b")
 # GDN shapes outside the registry: ModelSpec(name, "gdn", HV, V, K, H key heads, layers).
 ODD_SHAPES = {

@@ -19,6 +19,9 @@ from replayssm_cute.perf import DecodePool, bench_layer, compile_pool_kernel, id
 
 from tests.helpers.sweeps import TINY, load, run
 
+# its tests share the module's fixtures: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("bench_read_precision")
+
 SUPER, Q122 = get_model("nemotron-super"), get_model("qwen3.5-122b")
 S = 4194304  # fp32 state per sequence at both shapes
 

@@ -13,6 +13,9 @@ from replayssm_cute.reference import mamba2_replay_output
 
 from tests.helpers.sweeps import assert_usage_errors, load, run
 
+# its tests share the module's fixtures: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("decay_skip")
+
 F64 = torch.float64
 TINY = ["--tokens", "40", "--warmup", "16", "--window", "4", "--batch", "3", "--mamba2-shape", "4,8,128,2",
         "--gdn-shape", "4,16,128,2"]

@@ -17,6 +17,9 @@ import torch
 
 from tests.helpers.sweeps import assert_usage_errors, load, run
 
+# its tests share the module's fixtures: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("error_growth")
+
 TOKENS = 64
 POINTS = [1, 2, 4, 8, 16, 32, 64]
 CONFIGS = ["conv-fp32", "replay-fp32", "shared-fp8", "sep-fp32-fp8", "sep-fp32-fp8-fold"]

@@ -8,6 +8,9 @@ import pytest
 
 from tests.helpers.sweeps import load, run
 
+# its tests share the module's fixtures: one pytest-xdist worker runs them all (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sweep_outputs")
+
 SWEEPS = ("bench_decode", "bench_verify", "bench_read_precision", "error_growth")
 
 
