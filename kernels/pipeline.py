@@ -147,6 +147,27 @@ def wait_stage(full: cute.Pointer, stage: Int32, phase: Int32):
 
 
 @cute.jit
+def stage_item_plan(sMetaI: cute.Tensor, stage: Int32, slot: Int32, h: Int32, origin: Int32):
+    """Producer (one lane): the item's slot and plan (h, origin) into its stage's int32 scalars."""
+    sMetaI[META_SLOT, stage] = slot
+    sMetaI[META_H, stage] = h
+    sMetaI[META_ORIGIN, stage] = origin
+
+
+@cute.jit
+def wait_item(full: cute.Pointer, sMetaI: cute.Tensor, stage: Int32, phase: Int32) -> Int32:
+    """Consumer: wait for the stage (``wait_stage``), then its item's slot."""
+    wait_stage(full, stage, phase)
+    return sMetaI[META_SLOT, stage]
+
+
+@cute.jit
+def item_plan(sMetaI: cute.Tensor, stage: Int32):
+    """Consumer at a live item: its plan (h, origin) from the stage."""
+    return sMetaI[META_H, stage], sMetaI[META_ORIGIN, stage]
+
+
+@cute.jit
 def release_stage(empty: cute.Pointer, stage: Int32):
     """Consumer warp: once every lane is done reading the stage, one arrival frees it."""
     cute.arch.sync_warp()
@@ -398,19 +419,21 @@ def unit_lead(item: Int32, heads_per_unit: cutlass.Constexpr[int]):
 
 
 @cute.jit
-def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int32, item_buffer: Int32,
+def unit_scratch(item: Int32, heads_per_unit: cutlass.Constexpr[int], group: Int32, live_items: Int32,
                  barrier: Int32, threads: cutlass.Constexpr[int]):
-    """A consumer warp at a live item: (whether the item leads its unit, forming what the unit's
-    heads share; the buffer of the group's scratch for it). With one head a unit every item
-    leads and that scratch alternates over the group's live items (``item_buffer``); with units
-    the group has one buffer, and its warps meet at the group's ``barrier`` before a unit's first
-    item writes it, so the last unit's readers are done."""
+    """A consumer warp of group ``group`` at its ``live_items``-th live item: (the item's buffer of
+    the group's double-buffered scratch, 2 group + live_items % 2, which alternates over its live
+    items; whether the item leads its unit, forming what the unit's heads share; the buffer of
+    that). With one head a unit every item leads and shares the item's buffer; with units the
+    group has one buffer, and its warps meet at the group's ``barrier`` before a unit's first item
+    writes it, so the last unit's readers are done."""
+    item_buffer = 2 * group + live_items % 2
     lead, buffer = unit_lead(item, heads_per_unit), item_buffer
     if cutlass.const_expr(heads_per_unit > 1):
         buffer = group
         if lead:
             cute.arch.barrier(barrier_id=barrier, number_of_threads=threads)
-    return lead, buffer
+    return item_buffer, lead, buffer
 
 
 @cute.jit

@@ -86,10 +86,10 @@ from ..common import (add_coef_keys, after_previous_kernel, lane_scan, launch, l
                       pow2_at_least, prefetch_l2, record_values, slot_is_live, smem_fit, warp_reduce_many)
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES, PREFETCH_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
-                        acquire_stage, as_column, box_partition, copy_read_scales_async,
-                        copy_records_async, pipeline_check, producer_prefetch, publish_stage, release_stage,
-                        residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, READ_STATE_SCALE, acquire_stage, as_column, box_partition,
+                        copy_read_scales_async, copy_records_async, item_plan, pipeline_check, producer_prefetch,
+                        publish_stage, release_stage, residency_check, stage_barriers, stage_item_plan, stage_of,
+                        staged, stages_smem_bytes, wait_item)
 from ..state_io import (CopyTensors, decode_slice, dot_fragments, entry_tma, lane_amax, max_nan, mma_row_dots,
                         ring_coefficients, scale_per_row, share_b_fragments, shared_b_fragments, smem_scale,
                         store_copies, store_copies_at, warps_state_scale)
@@ -1079,9 +1079,7 @@ class GDNPipelinedDecode:
                                                                                  (0,))),
                                                        1, origin, h)
                     if lane == 0:
-                        sMetaI[META_SLOT, stage] = slot
-                        sMetaI[META_H, stage] = h
-                        sMetaI[META_ORIGIN, stage] = origin
+                        stage_item_plan(sMetaI, stage, slot, h, origin)
                         sMetaF[META_KQ, 0, stage] = kq
                         for i in cutlass.range_constexpr(HI):
                             sMetaF[META_G, i, stage] = gates[i][0]
@@ -1120,12 +1118,10 @@ class GDNPipelinedDecode:
             vhead0 = (item // parts) % HVI * HI
             part = item % parts
             stage, phase = stage_of(it * G + cg, ST)
-            wait_stage(full, stage, phase)
-            slot = sMetaI[META_SLOT, stage]
+            slot = wait_item(full, sMetaI, stage, phase)
             if slot_is_live(slot, num_slots, s.pad_slot_id):
                 slot64 = Int64(slot)
-                h = sMetaI[META_H, stage]
-                origin = sMetaI[META_ORIGIN, stage]
+                h, origin = item_plan(sMetaI, stage)
                 kq = sMetaF[META_KQ, 0, stage]
                 flush = h + 1 >= L  # h == L only after a speculative commit
                 pos_h = (origin + h) % cap

@@ -63,11 +63,11 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols, fold_into_checkpoint, lane_scan,
                       launch, make_padded_row_tma, round_up, rows_times_columns, rows_times_dots, slot_is_live,
                       slot_rows)
-from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
-                        copy_records_async, default_verify_config, item_plan_scalars, publish_tile_boxes,
-                        release_stage, rows_at, stage_barriers, stage_of, staged, stages_smem_bytes,
-                        store_unit_products, unit_item, unit_lead, unit_scratch, unit_size, unit_uses, verify_pipe_check,
-                        verify_space, wait_stage, weigh_unit_products)
+from ..pipeline import (acquire_stage, as_column, consumer_place, copy_records_async, default_verify_config, item_plan,
+                        item_plan_scalars, PipeVerifyConfig, publish_tile_boxes, release_stage, rows_at,
+                        stage_barriers, stage_item_plan, stage_of, staged, stages_smem_bytes, store_unit_products,
+                        unit_item, unit_lead, unit_scratch, unit_size, unit_uses, verify_pipe_check, verify_space,
+                        wait_item, weigh_unit_products)
 from .common import gdn_gates, normalize_qk
 from .config import GDNRing, GDNShape, GDNToken
 from .verify import fold_coefficients, key_products, store_draft_records, weigh_key_product, weighted_key_products
@@ -117,7 +117,8 @@ class GDNPipeVerifySmem(NamedTuple):
     rows), the ring keys (zero rows to the fold's last k-step), the drafts' raw k, q and v, the
     ring's corrections u and decays g, the drafts' raw gates and the item's scalars; then each
     consumer group's double-buffered scratch (the normalised drafts, the weighted key products:
-    buffers 2 g and 2 g + 1 are group g's) and each consumer warp's rows' pre-substitution terms;
+    buffers 2 g and 2 g + 1 are group g's; in units, its raw key products, None otherwise) and each
+    consumer warp's rows' pre-substitution terms;
     a full and an empty mbarrier per stage."""
 
     sState: cute.Tensor
@@ -132,7 +133,7 @@ class GDNPipeVerifySmem(NamedTuple):
     sMetaF: cute.Tensor
     sDraft: cute.Tensor
     sDot: cute.Tensor
-    sRaw: cute.Tensor
+    sRaw: Optional[cute.Tensor]
     sPre: cute.Tensor
     full: cute.Pointer
     empty: cute.Pointer
@@ -247,9 +248,7 @@ class GDNPipelinedVerify:
         sMetaF = staged(smem, Float32, (META,), ST)
         sDraft = staged(smem, Float32, (2 * TP, K), d.CG if d.U > 1 else 2 * d.CG, row_pad=4)
         sDot = staged(smem, Float32, (2 * TP, NQP), 2 * d.CG, row_pad=4)
-        sRaw = sDot  # (unread with one head a unit)
-        if cutlass.const_expr(d.U > 1):
-            sRaw = staged(smem, Float32, (2 * TP, NQP), d.CG, row_pad=4)
+        sRaw = staged(smem, Float32, (2 * TP, NQP), d.CG, row_pad=4) if d.U > 1 else None
         sPre = smem.allocate_tensor(Float32, cute.make_layout(
             (MMA_ROWS, 2 * TP, d.CG * CW), stride=(2 * TP + 1, 1, MMA_ROWS * (2 * TP + 1))), byte_alignment=16)
         full, empty = stage_barriers(smem, ST, CW)
@@ -328,9 +327,7 @@ class GDNPipelinedVerify:
                             sm.sMetaF[META_A_LOG, stage] = mALog[vhead].to(Float32)
                             sm.sMetaF[META_DT_BIAS, stage] = mDtBias[vhead].to(Float32)
                     if lane == 0:
-                        sm.sMetaI[META_SLOT, stage] = slot
-                        sm.sMetaI[META_H, stage] = h
-                        sm.sMetaI[META_ORIGIN, stage] = origin
+                        stage_item_plan(sm.sMetaI, stage, slot, h, origin)
                     box0 = Int32((Int64(slot) * (HV * V) + vhead * V) // MMA_ROWS)
                     publish_tile_boxes(sm.full, stage, live, CW, box_bytes, tma_atom, t_g, box0, t_s)
             rInt.store(rIntNext.load())
@@ -361,18 +358,15 @@ class GDNPipelinedVerify:
                 vhead = item % HV
                 khead = vhead // rep
                 stage, phase = stage_of(n, ST)
-                wait_stage(sm.full, stage, phase)
-                slot = sm.sMetaI[META_SLOT, stage]
+                slot = wait_item(sm.full, sm.sMetaI, stage, phase)
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
-                    h = sm.sMetaI[META_H, stage]
-                    origin = sm.sMetaI[META_ORIGIN, stage]
+                    h, origin = item_plan(sm.sMetaI, stage)
                     flush = h + T > L
                     sKeys = sm.sKeys[None, None, stage]
-                    buf = 2 * cg + live_items % 2
-                    sDot = sm.sDot[None, None, buf]
                     # the unit's first item normalises the drafts and forms the raw products
-                    lead, draft_buf = unit_scratch(item, d.U, cg, buf, group_barrier, 32 * CW)
+                    buf, lead, draft_buf = unit_scratch(item, d.U, cg, live_items, group_barrier, 32 * CW)
+                    sDot = sm.sDot[None, None, buf]
                     sDraft = sm.sDraft[None, None, draft_buf]
                     if lead:
                         # The drafts' normalised keys (rows 0..T-1) and queries (rows TP..TP+T-1),

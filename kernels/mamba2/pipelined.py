@@ -66,10 +66,10 @@ from ..common import (after_previous_kernel, fold_cols, fold_into_checkpoint, la
                       prefetch_l2, record_values, slot_is_live, smem_fit, softplus, warp_reduce_many, warp_sum)
 from ..config_space import HEADS_PER_ITEM_CHOICES, PIPELINE_STAGE_CHOICES
 from ..limits import MAX_CAPACITY, programmatic_launch
-from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, META_H, META_ORIGIN, META_SLOT, READ_STATE_SCALE,
-                        acquire_stage, as_column, as_row, box_partition, copy_read_scales_async,
-                        copy_records_async, copy_rows_async, flat, pipeline_check, producer_prefetch, publish_stage,
-                        release_stage, residency_check, stage_barriers, stage_of, staged, stages_smem_bytes, wait_stage)
+from ..pipeline import (CONSUMER_BARRIER, MAX_BOX_ROWS, MAX_STAGES, READ_STATE_SCALE, acquire_stage, as_column, as_row,
+                        box_partition, copy_read_scales_async, copy_records_async, copy_rows_async, flat, item_plan,
+                        pipeline_check, producer_prefetch, publish_stage, release_stage, residency_check,
+                        stage_barriers, stage_item_plan, stage_of, staged, stages_smem_bytes, wait_item)
 from ..state_io import (CopyTensors, copy_rows_tma, decode_slice, entry_tma, lane_amax, max_nan, mma_row_dots,
                         scale_per_row, smem_scale, store_copies, vector_b_fragments, warps_state_scale)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token, rows_on_tensor_cores
@@ -572,9 +572,7 @@ class Mamba2PipelinedDecode:
                                                    1, origin, h)
                     scalars_f = [[cute.arch.shuffle_sync(rFloat[k, i], u) for k in range(4)] for i in range(HI)]
                     if lane == 0:
-                        sMetaI[META_SLOT, stage] = slot
-                        sMetaI[META_H, stage] = h
-                        sMetaI[META_ORIGIN, stage] = origin
+                        stage_item_plan(sMetaI, stage, slot, h, origin)
                         for i in cutlass.range_constexpr(HI):
                             for k in cutlass.range_constexpr(4):
                                 sMetaF[k, i, stage] = scalars_f[i][k]
@@ -610,12 +608,10 @@ class Mamba2PipelinedDecode:
             head0 = (item % items_per_row) * HI
             group = head0 // heads_per_group
             stage, phase = stage_of(it * c.consumer_groups + g, ST)
-            wait_stage(full, stage, phase)
-            slot = sMetaI[META_SLOT, stage]
+            slot = wait_item(full, sMetaI, stage, phase)
             if slot_is_live(slot, num_slots, s.pad_slot_id):
                 slot64 = Int64(slot)
-                h = sMetaI[META_H, stage]
-                origin = sMetaI[META_ORIGIN, stage]
+                h, origin = item_plan(sMetaI, stage)
                 flush = h + 1 >= L  # h == L only after a speculative commit
                 pos_h = (origin + h) % cap
 

@@ -65,11 +65,11 @@ from cutlass.memory import SmemAllocator
 from ..common import (MMA_ROWS, TILE_PAD, after_previous_kernel, cdiv, fold_cols, fold_into_checkpoint, launch,
                       lane_scan, make_padded_row_tma, round_up, rows_times_columns, rows_times_dots, slot_is_live, slot_rows,
                       softplus)
-from ..pipeline import (META_H, META_ORIGIN, META_SLOT, PipeVerifyConfig, acquire_stage, as_column, consumer_place,
-                        copy_records_async, copy_rows_async, default_verify_config, item_plan_scalars,
-                        publish_tile_boxes, release_stage, rows_at, stage_barriers, stage_of, staged,
-                        stages_smem_bytes, store_unit_products, unit_item, unit_lead, unit_scratch, unit_size, unit_uses,
-                        verify_pipe_check, verify_space, wait_stage, weigh_unit_products)
+from ..pipeline import (acquire_stage, as_column, consumer_place, copy_records_async, copy_rows_async,
+                        default_verify_config, item_plan, item_plan_scalars, PipeVerifyConfig, publish_tile_boxes,
+                        release_stage, rows_at, stage_barriers, stage_item_plan, stage_of, staged, stages_smem_bytes,
+                        store_unit_products, unit_item, unit_lead, unit_scratch, unit_size, unit_uses,
+                        verify_pipe_check, verify_space, wait_item, weigh_unit_products)
 from .config import Mamba2Ring, Mamba2Shape, Mamba2Token
 from .verify import fold_coefficients, raw_dots, weigh_dot, weighted_dots
 
@@ -118,7 +118,8 @@ class Mamba2PipeVerifySmem(NamedTuple):
     cw's 16 rows), the keys (B at every ring position, then the drafts', zero rows after), the
     values (x likewise), the drafts' z and C, the ring's and the drafts' dt and the item's
     scalars; then each consumer group's double-buffered scratch (the drafts' fp32 C, the weighted
-    Dots: buffers 2 g and 2 g + 1 are group g's); a full and an empty mbarrier per stage."""
+    Dots: buffers 2 g and 2 g + 1 are group g's) and, in units, its raw Dots (None otherwise); a
+    full and an empty mbarrier per stage."""
 
     sState: cute.Tensor
     sKeys: cute.Tensor
@@ -131,7 +132,7 @@ class Mamba2PipeVerifySmem(NamedTuple):
     sMetaF: cute.Tensor
     sCf: cute.Tensor
     sDot: cute.Tensor
-    sRaw: cute.Tensor
+    sRaw: Optional[cute.Tensor]
     full: cute.Pointer
     empty: cute.Pointer
 
@@ -241,9 +242,7 @@ class Mamba2PipelinedVerify:
         sMetaF = staged(smem, Float32, (META,), ST)
         sCf = staged(smem, Float32, (TP, N), d.CG if d.U > 1 else 2 * d.CG, row_pad=4)
         sDot = staged(smem, Float32, (TP, NQP), 2 * d.CG, row_pad=4)
-        sRaw = sDot  # (unread with one head a unit)
-        if cutlass.const_expr(d.U > 1):
-            sRaw = staged(smem, Float32, (TP, NQP), d.CG, row_pad=4)
+        sRaw = staged(smem, Float32, (TP, NQP), d.CG, row_pad=4) if d.U > 1 else None
         full, empty = stage_barriers(smem, ST, CW)
         return Mamba2PipeVerifySmem(sState, sKeys, sValues, sZ, sC, sRingDt, sDraftDt, sMetaI, sMetaF, sCf, sDot,
                                     sRaw, full, empty)
@@ -326,9 +325,7 @@ class Mamba2PipelinedVerify:
                             if cutlass.const_expr(s.has_dt_bias):
                                 sm.sMetaF[META_DT_BIAS, stage] = mDtBias[head].to(Float32)
                     if lane == 0:
-                        sm.sMetaI[META_SLOT, stage] = slot
-                        sm.sMetaI[META_H, stage] = h
-                        sm.sMetaI[META_ORIGIN, stage] = origin
+                        stage_item_plan(sm.sMetaI, stage, slot, h, origin)
                     box0 = Int32((Int64(slot) * (H * P) + head * P) // MMA_ROWS)
                     publish_tile_boxes(sm.full, stage, live, CW, box_bytes, tma_atom, t_g, box0, t_s)
             rInt.store(rIntNext.load())
@@ -360,19 +357,16 @@ class Mamba2PipelinedVerify:
                 head = item % H
                 group = head // d.heads_per_group
                 stage, phase = stage_of(n, ST)
-                wait_stage(sm.full, stage, phase)
-                slot = sm.sMetaI[META_SLOT, stage]
+                slot = wait_item(sm.full, sm.sMetaI, stage, phase)
                 if slot_is_live(slot, num_slots, s.pad_slot_id):
                     slot64 = Int64(slot)
-                    h = sm.sMetaI[META_H, stage]
-                    origin = sm.sMetaI[META_ORIGIN, stage]
+                    h, origin = item_plan(sm.sMetaI, stage)
                     flush = h + T > L
-                    buf = 2 * cg + live_items % 2
                     sKeys = sm.sKeys[None, None, stage]
                     sValues = sm.sValues[None, None, stage]
-                    sDot = sm.sDot[None, None, buf]
                     # the unit's first item decodes the drafts' C and forms the raw Dots
-                    lead, draft_buf = unit_scratch(item, d.U, cg, buf, group_barrier, 32 * CW)
+                    buf, lead, draft_buf = unit_scratch(item, d.U, cg, live_items, group_barrier, 32 * CW)
+                    sDot = sm.sDot[None, None, buf]
                     sCf = sm.sCf[None, None, draft_buf]
                     if lead:
                         # The drafts' C in fp32 (rows from T on zero), a row a warp in turn.

@@ -71,17 +71,19 @@ def random_generators(gen, device):
             lambda *shape: torch.randn(*shape, generator=gen, device=device))
 
 
-def pipelined_choice(shape, pipelined_config, by_default: bool):
-    """The pipelined decode's config for ``shape`` (``pipelined_config(shape, SM count, arch)``; None
+def pipelined_choice(shape, pipelined_config, by_default):
+    """The pipelined kernel's config for ``shape`` (``pipelined_config(shape, SM count, arch)``; None
     where it cannot take the shape) where ``REPLAYSSM_CUTE_PIPELINED=1`` asks for it, or where
-    the layer uses it ``by_default`` on a target it has been measured on (PIPELINED_ARCHS); else
-    None: the tile kernels serve (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
+    the layer uses it by default on a target it has been measured on (PIPELINED_ARCHS):
+    ``by_default`` is a bool, or a predicate on that config; else None: the tile kernels serve
+    (``REPLAYSSM_CUTE_PIPELINED=0`` keeps every layer on them)."""
     choice = os.environ.get(PIPELINED_ENV, "")
-    if choice == "0":
+    if choice == "0" or (choice != "1" and (not by_default or target_arch() not in PIPELINED_ARCHS)):
         return None
-    if choice != "1" and not (by_default and target_arch() in PIPELINED_ARCHS):
+    config = pipelined_config(shape, sm_count(), target_arch())
+    if choice != "1" and callable(by_default) and config is not None and not by_default(config):
         return None
-    return pipelined_config(shape, sm_count(), target_arch())
+    return config
 
 
 def target_arch() -> str:

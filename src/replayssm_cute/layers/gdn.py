@@ -17,8 +17,8 @@ import torch
 from .. import checks
 from ..cache import GDNCache
 from ..runtime.launch import Kernel, cute_dtype
-from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, sm_count,
-                     state_copy_args, target_arch, whole_head)
+from .common import (checkpoint_arg, memoised_shape, pipelined_choice, random_generators, ring_args, state_copy_args,
+                     whole_head)
 
 # The pipelined GDN decode (kernels/gdn/pipelined.py) serves ReplaySSM decoding on the plain fp32 cache from
 # batch 8 and next to a read copy (v / beta records, re-derived corrections) from batch 32, where it was measured
@@ -37,13 +37,9 @@ PIPELINED_READ_COPY_MIN_BATCH = 32
 PIPELINED_VERIFY_MAX_DRAFTS = 4
 
 
-def pipelined_verify_by_default(shape, bucket: int) -> bool:
-    from ..kernels.gdn.pipelined_verify import pipelined_verify_config
-
-    if shape.capacity - shape.window <= PIPELINED_VERIFY_MAX_DRAFTS:
-        return True
-    config = pipelined_verify_config(shape, sm_count(), target_arch(), bucket)
-    return config is not None and config.heads_per_unit > 1
+def pipelined_verify_by_default(shape, config) -> bool:
+    """Whether the pipelined verify serves ``shape`` by default at its default ``config``."""
+    return shape.capacity - shape.window <= PIPELINED_VERIFY_MAX_DRAFTS or config.heads_per_unit > 1
 
 
 def pipelined_by_default(shape, bucket: int) -> bool:
@@ -136,7 +132,7 @@ def _verify_default(shape, bucket: int):
     from ..kernels.gdn.pipelined_verify import pipelined_verify_config
 
     config = pipelined_choice(shape, functools.partial(pipelined_verify_config, bucket=bucket),
-                              by_default=pipelined_verify_by_default(shape, bucket))
+                              by_default=functools.partial(pipelined_verify_by_default, shape))
     if config is not None:
         return config
     return default_gdn_verify_config(shape.head_v_dim, bucket, whole_head(shape))
